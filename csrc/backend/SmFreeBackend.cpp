@@ -1,0 +1,297 @@
+#include "backend/SmFreeBackend.h"
+
+#include <c10/util/Exception.h>
+
+#include "backend/StoreAdapter.h"
+#include "backend/TensorChecks.h"
+#include "engine/Error.h"
+
+namespace smfree {
+namespace {
+
+const char* opName(engine::OpKind kind, int peer) {
+  if (kind == engine::OpKind::kSend) return "send";
+  return peer == engine::kAnySource ? "recv from any source" : "recv";
+}
+
+}  // namespace
+
+SmFreeBackend::SmFreeBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                             std::chrono::milliseconds timeout, const std::string& groupName,
+                             InnerFactory innerFactory)
+    : c10d::Backend(rank, size), timeout_(timeout), innerFactory_(std::move(innerFactory)) {
+  try {
+    group_ = engine::Engine::acquire()->joinGroup(engine::GroupConfig{groupName, rank, size},
+                                                  std::make_shared<StoreAdapter>(store), timeout);
+  } catch (const engine::Error& error) {
+    C10_THROW_ERROR(DistBackendError, error.what());
+  }
+}
+
+SmFreeBackend::~SmFreeBackend() = default;
+
+c10::intrusive_ptr<c10d::Backend::Options> SmFreeBackend::getBackendOptions() {
+  return c10::make_intrusive<Options>("smfree", timeout_);
+}
+
+void SmFreeBackend::setTimeout(std::chrono::milliseconds timeout) {
+  timeout_ = timeout;
+  group_->setTimeout(timeout);
+}
+
+void SmFreeBackend::checkOpen(const char* op) const {
+  const char* state = stopped_.load();
+  TORCH_CHECK(state == nullptr, "smfree: ", op, " on group '", group_->config().name,
+              "' after it was ", state);
+}
+
+c10::intrusive_ptr<c10d::Work> SmFreeBackend::send(std::vector<at::Tensor>& tensors, int dstRank,
+                                                   int tag) {
+  return pointToPoint(engine::OpKind::kSend, tensors, dstRank, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> SmFreeBackend::recv(std::vector<at::Tensor>& tensors, int srcRank,
+                                                   int tag) {
+  return pointToPoint(engine::OpKind::kRecv, tensors, srcRank, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> SmFreeBackend::recvAnysource(std::vector<at::Tensor>& tensors,
+                                                            int tag) {
+  return pointToPoint(engine::OpKind::kRecv, tensors, engine::kAnySource, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> SmFreeBackend::pointToPoint(engine::OpKind kind,
+                                                           std::vector<at::Tensor>& tensors,
+                                                           int peer, int tag) {
+  const char* op = opName(kind, peer);
+  checkOpen(op);
+  at::Tensor& tensor = checkP2PTensor(tensors, op);
+  try {
+    if (peer == engine::kAnySource) {
+      group_->connectAll();
+    } else {
+      checkPeer(peer, getRank(), getSize(), op);
+      group_->connect(peer);
+      if (auto failure = group_->peerFailure(peer)) {
+        C10_THROW_ERROR(DistBackendError, c10::str("smfree: ", op, " with rank ", peer,
+                                                   " refused: ", *failure));
+      }
+    }
+  } catch (const engine::Error& error) {
+    C10_THROW_ERROR(DistBackendError, error.what());
+  }
+
+  const bool isSend = kind == engine::OpKind::kSend;
+  auto work = c10::make_intrusive<SmFreeWork>(
+      isSend ? c10d::OpType::SEND : (peer == engine::kAnySource ? c10d::OpType::RECVANYSOURCE
+                                                                 : c10d::OpType::RECV),
+      c10::str(op, peer == engine::kAnySource ? "" : c10::str(" rank ", peer), " (tag ", tag,
+               ", ", tensor.nbytes(), " B)"),
+      std::vector<at::Tensor>{tensor});
+  work->expectOp();
+  work->seal();
+
+  c10::intrusive_ptr<SmFreeWork> batch;
+  {
+    std::lock_guard<std::mutex> lock(coalescingMutex_);
+    batch = batch_;
+  }
+  if (batch) {
+    batch->expectOp();
+  }
+
+  engine::OpRequest request;
+  request.kind = kind;
+  request.peer = peer;
+  request.tag = tag;
+  request.buffer = engine::Buffer{tensor.data_ptr(), static_cast<uint64_t>(tensor.nbytes()),
+                                  engine::MemoryKind::kHost, -1};
+  request.desc = describeTensor(tensor);
+  request.keepalive = std::make_shared<at::Tensor>(tensor);
+  request.onComplete = [work, batch](const engine::Status& status, int source) {
+    work->onOpDone(status, source);
+    if (batch) batch->onOpDone(status, source);
+  };
+  try {
+    group_->post(std::move(request));
+  } catch (const engine::Error& error) {
+    C10_THROW_ERROR(DistBackendError, error.what());
+  }
+  return work;
+}
+
+void SmFreeBackend::startCoalescing() {
+  checkOpen("startCoalescing");
+  std::lock_guard<std::mutex> lock(coalescingMutex_);
+  TORCH_CHECK(!batch_, "smfree: startCoalescing called twice without endCoalescing");
+  batch_ = c10::make_intrusive<SmFreeWork>(c10d::OpType::COALESCED, "coalesced batch",
+                                           std::vector<at::Tensor>{});
+}
+
+c10::intrusive_ptr<c10d::Work> SmFreeBackend::endCoalescing() {
+  c10::intrusive_ptr<SmFreeWork> batch;
+  {
+    std::lock_guard<std::mutex> lock(coalescingMutex_);
+    TORCH_CHECK(batch_, "smfree: endCoalescing called without startCoalescing");
+    batch = std::move(batch_);
+    batch_.reset();
+  }
+  batch->seal();
+  return batch;
+}
+
+c10d::Backend& SmFreeBackend::inner(c10::DeviceType deviceType) {
+  std::lock_guard<std::mutex> lock(innerMutex_);
+  auto it = inners_.find(deviceType);
+  if (it == inners_.end()) {
+    // Built on first use, so a group that never runs a CPU collective never builds Gloo.
+    it = inners_.emplace(deviceType, innerFactory_(c10::DeviceTypeName(deviceType, true))).first;
+  }
+  return *it->second;
+}
+
+c10d::Backend& SmFreeBackend::innerFor(const std::vector<at::Tensor>& tensors) {
+  TORCH_CHECK_VALUE(!tensors.empty(), "smfree: collective called with no tensors");
+  return inner(tensors.front().device().type());
+}
+
+c10::intrusive_ptr<c10d::Work> SmFreeBackend::broadcast(std::vector<at::Tensor>& tensors,
+                                                        const c10d::BroadcastOptions& opts) {
+  checkOpen("broadcast");
+  return innerFor(tensors).broadcast(tensors, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> SmFreeBackend::allreduce(std::vector<at::Tensor>& tensors,
+                                                        const c10d::AllreduceOptions& opts) {
+  checkOpen("allreduce");
+  return innerFor(tensors).allreduce(tensors, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> SmFreeBackend::allreduce_coalesced(
+    std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
+  checkOpen("allreduce_coalesced");
+  return innerFor(tensors).allreduce_coalesced(tensors, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> SmFreeBackend::reduce(std::vector<at::Tensor>& tensors,
+                                                     const c10d::ReduceOptions& opts) {
+  checkOpen("reduce");
+  return innerFor(tensors).reduce(tensors, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> SmFreeBackend::allgather(
+    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  checkOpen("allgather");
+  return innerFor(inputs).allgather(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> SmFreeBackend::_allgather_base(at::Tensor& output,
+                                                              at::Tensor& input,
+                                                              const c10d::AllgatherOptions& opts) {
+  checkOpen("allgather");
+  return inner(input.device().type())._allgather_base(output, input, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> SmFreeBackend::allgather_coalesced(
+    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  checkOpen("allgather_coalesced");
+  return innerFor(inputs).allgather_coalesced(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> SmFreeBackend::allgather_into_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  checkOpen("allgather_into_tensor_coalesced");
+  return innerFor(inputs).allgather_into_tensor_coalesced(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> SmFreeBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                                     std::vector<at::Tensor>& inputs,
+                                                     const c10d::GatherOptions& opts) {
+  checkOpen("gather");
+  return innerFor(inputs).gather(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> SmFreeBackend::scatter(std::vector<at::Tensor>& outputs,
+                                                      std::vector<std::vector<at::Tensor>>& inputs,
+                                                      const c10d::ScatterOptions& opts) {
+  checkOpen("scatter");
+  return innerFor(outputs).scatter(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> SmFreeBackend::reduce_scatter(
+    std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  checkOpen("reduce_scatter");
+  return innerFor(outputs).reduce_scatter(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> SmFreeBackend::_reduce_scatter_base(
+    at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
+  checkOpen("reduce_scatter");
+  return inner(input.device().type())._reduce_scatter_base(output, input, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> SmFreeBackend::reduce_scatter_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  checkOpen("reduce_scatter_tensor_coalesced");
+  return innerFor(inputs).reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> SmFreeBackend::alltoall_base(
+    at::Tensor& output, at::Tensor& input, std::vector<int64_t>& outputSplitSizes,
+    std::vector<int64_t>& inputSplitSizes, const c10d::AllToAllOptions& opts) {
+  checkOpen("alltoall");
+  return inner(input.device().type())
+      .alltoall_base(output, input, outputSplitSizes, inputSplitSizes, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> SmFreeBackend::alltoall(std::vector<at::Tensor>& outputs,
+                                                       std::vector<at::Tensor>& inputs,
+                                                       const c10d::AllToAllOptions& opts) {
+  checkOpen("alltoall");
+  return innerFor(inputs).alltoall(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> SmFreeBackend::barrier(const c10d::BarrierOptions& opts) {
+  checkOpen("barrier");
+  const bool onCuda = !opts.device_ids.empty() || (opts.device && opts.device->is_cuda());
+  return inner(onCuda ? c10::DeviceType::CUDA : c10::DeviceType::CPU).barrier(opts);
+}
+
+void SmFreeBackend::stop(const char* state, bool abortInner) {
+  const char* expected = nullptr;
+  if (!stopped_.compare_exchange_strong(expected, state)) {
+    return;
+  }
+  try {
+    group_->close(engine::StatusCode::kAborted, c10::str("group '", group_->config().name, "' was ", state));
+  } catch (const engine::Error& error) {
+    C10_THROW_ERROR(DistBackendError, error.what());
+  }
+  std::lock_guard<std::mutex> lock(innerMutex_);
+  for (auto& [device, backend] : inners_) {
+    if (abortInner) {
+      backend->abort();
+    } else {
+      backend->shutdown();
+    }
+  }
+}
+
+void SmFreeBackend::abort() { stop("aborted", true); }
+
+void SmFreeBackend::shutdown() { stop("shut down", false); }
+
+std::string SmFreeBackend::dumpPending() {
+  try {
+    return group_->dumpPending();
+  } catch (const engine::Error& error) {
+    C10_THROW_ERROR(DistBackendError, error.what());
+  }
+}
+
+}  // namespace smfree

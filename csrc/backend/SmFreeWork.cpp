@@ -1,0 +1,99 @@
+#include "backend/SmFreeWork.h"
+
+#include <c10/util/Exception.h>
+
+#include "backend/Errors.h"
+
+namespace smfree {
+
+SmFreeWork::SmFreeWork(c10d::OpType type, std::string what, std::vector<at::Tensor> tensors)
+    : c10d::Work(-1, type),
+      what_(std::move(what)),
+      tensors_(std::move(tensors)),
+      future_(c10::make_intrusive<c10::ivalue::Future>(
+          c10::ListType::create(c10::TensorType::get()))) {}
+
+void SmFreeWork::expectOp() {
+  std::lock_guard<std::mutex> lock(stateMutex_);
+  TORCH_INTERNAL_ASSERT(!sealed_, "smfree: op added to a sealed Work");
+  ++pending_;
+}
+
+void SmFreeWork::seal() {
+  std::unique_lock<std::mutex> lock(stateMutex_);
+  sealed_ = true;
+  completeIfDone(lock);
+}
+
+void SmFreeWork::onOpDone(const engine::Status& status, int source) {
+  std::unique_lock<std::mutex> lock(stateMutex_);
+  --pending_;
+  if (source >= 0) {
+    source_ = source;
+  }
+  if (!status.ok() && !error_) {
+    error_ = makeOpError(status);
+  }
+  completeIfDone(lock);
+}
+
+void SmFreeWork::completeIfDone(std::unique_lock<std::mutex>& lock) {
+  if (!sealed_ || pending_ > 0 || finished_) {
+    return;
+  }
+  finished_ = true;
+  const std::exception_ptr error = error_;
+  lock.unlock();
+  done_.notify_all();
+  // Future callbacks run here, on whichever thread finished the last op.
+  if (error) {
+    future_->setError(error);
+  } else {
+    future_->markCompleted(c10::IValue(tensors_));
+  }
+}
+
+bool SmFreeWork::isCompleted() {
+  std::lock_guard<std::mutex> lock(stateMutex_);
+  return finished_;
+}
+
+bool SmFreeWork::isSuccess() const {
+  std::lock_guard<std::mutex> lock(stateMutex_);
+  return finished_ && !error_;
+}
+
+std::exception_ptr SmFreeWork::exception() const {
+  std::lock_guard<std::mutex> lock(stateMutex_);
+  return error_;
+}
+
+int SmFreeWork::sourceRank() const {
+  std::lock_guard<std::mutex> lock(stateMutex_);
+  TORCH_CHECK(finished_ && source_ >= 0,
+              "smfree: sourceRank() is known only once a recv has completed (", what_, ")");
+  return source_;
+}
+
+std::vector<at::Tensor> SmFreeWork::result() { return tensors_; }
+
+bool SmFreeWork::wait(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(stateMutex_);
+  if (timeout == kNoTimeout) {
+    // Ops carry the group timeout, so this wait ends.
+    done_.wait(lock, [this] { return finished_; });
+  } else if (!done_.wait_for(lock, timeout, [this] { return finished_; })) {
+    throwTimeout(c10::str("smfree: wait(timeout=", timeout.count(), " ms) expired; ", what_,
+                          " is still pending"));
+  }
+  if (error_) {
+    std::rethrow_exception(error_);
+  }
+  return true;
+}
+
+void SmFreeWork::synchronize() { wait(); }
+
+c10::intrusive_ptr<c10::ivalue::Future> SmFreeWork::getFuture() { return future_; }
+
+}  // namespace smfree

@@ -1,0 +1,50 @@
+#pragma once
+
+#include <ATen/core/ivalue.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <condition_variable>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "engine/Status.h"
+
+namespace smfree {
+
+// The Work of one op, or of a coalesced batch. Ops report into it from the engine's
+// progress thread; it completes once it is sealed and every op it expects has reported.
+class SmFreeWork final : public c10d::Work {
+ public:
+  SmFreeWork(c10d::OpType type, std::string what, std::vector<at::Tensor> tensors);
+
+  void expectOp();  // one more op will report
+  void seal();      // no more ops will be added
+  void onOpDone(const engine::Status& status, int source);
+
+  bool isCompleted() override;
+  bool isSuccess() const override;
+  std::exception_ptr exception() const override;
+  int sourceRank() const override;
+  std::vector<at::Tensor> result() override;
+  bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
+  void synchronize() override;
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
+
+ private:
+  void completeIfDone(std::unique_lock<std::mutex>& lock);
+
+  const std::string what_;  // for error messages: "send to rank 1 (tag 0)"
+  const std::vector<at::Tensor> tensors_;
+  const c10::intrusive_ptr<c10::ivalue::Future> future_;
+
+  mutable std::mutex stateMutex_;
+  std::condition_variable done_;
+  int pending_ = 0;
+  bool sealed_ = false;
+  bool finished_ = false;
+  std::exception_ptr error_;
+  int source_ = -1;
+};
+
+}  // namespace smfree

@@ -1,0 +1,31 @@
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "engine/Op.h"
+#include "engine/Status.h"
+
+namespace smfree::engine {
+
+struct Peer;
+
+// A data channel moves the bytes of a matched send/recv pair; the control plane has already
+// checked that both sides agree. All calls happen on the progress thread.
+class Channel {
+ public:
+  using Done = std::function<void(const std::shared_ptr<Op>&, const Status&)>;
+
+  virtual ~Channel() = default;
+  virtual const char* name() const = 0;
+  // Receiver: get ready for the bytes; returns what the sender's side needs to deliver them.
+  virtual std::string armRecv(const std::shared_ptr<Op>& recv, const Peer& source) = 0;
+  // Sender: deliver the bytes, given what armRecv returned on the receiver.
+  virtual void startSend(const std::shared_ptr<Op>& send, Peer& destination,
+                         const std::string& channelData) = 0;
+  // Stop an op's transfer early; its Done still follows.
+  virtual void cancel(Op& op) = 0;
+};
+
+}  // namespace smfree::engine

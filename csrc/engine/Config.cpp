@@ -1,0 +1,44 @@
+#include "engine/Config.h"
+
+#include <cstdlib>
+#include <string>
+
+#include "engine/Error.h"
+#include "engine/Log.h"
+
+namespace smfree::engine {
+namespace {
+
+LogLevel parseLogLevel(const char* text) {
+  const std::string value = text ? text : "warn";
+  if (value == "error") return LogLevel::kError;
+  if (value == "warn") return LogLevel::kWarn;
+  if (value == "info") return LogLevel::kInfo;
+  if (value == "debug") return LogLevel::kDebug;
+  fail("SMFREE_LOG_LEVEL='", value, "' is not one of error, warn, info, debug");
+}
+
+long parseNonNegative(const char* name, long fallback) {
+  const char* text = std::getenv(name);
+  if (!text || !*text) {
+    return fallback;
+  }
+  char* end = nullptr;
+  const long value = std::strtol(text, &end, 10);
+  if (*end != '\0' || value < 0) {
+    fail(name, "='", text, "' is not a non-negative integer");
+  }
+  return value;
+}
+
+}  // namespace
+
+Config Config::fromEnv() {
+  Config config;
+  config.logLevel = parseLogLevel(std::getenv("SMFREE_LOG_LEVEL"));
+  config.spin = std::chrono::microseconds(parseNonNegative("SMFREE_SPIN_US", 200));
+  config.peerCheck = std::chrono::milliseconds(parseNonNegative("SMFREE_PEER_CHECK_MS", 1000));
+  return config;
+}
+
+}  // namespace smfree::engine

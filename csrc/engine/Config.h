@@ -1,0 +1,20 @@
+#pragma once
+
+#include <chrono>
+
+namespace smfree::engine {
+
+enum class LogLevel;
+
+// Every SMFREE_* setting the engine reads, parsed once. The README documents each.
+struct Config {
+  LogLevel logLevel;
+  // How long the progress thread polls after its last event before it sleeps.
+  std::chrono::microseconds spin;
+  // UCX keepalive interval, so a dead peer fails pending ops quickly; UCX_KEEPALIVE_INTERVAL wins.
+  std::chrono::milliseconds peerCheck;
+
+  static Config fromEnv();
+};
+
+}  // namespace smfree::engine

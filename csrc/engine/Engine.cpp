@@ -1,0 +1,655 @@
+#include "engine/Engine.h"
+
+#include <poll.h>
+
+#include <algorithm>
+#include <future>
+#include <sstream>
+
+#include "engine/Channel.h"
+#include "engine/Error.h"
+#include "engine/Log.h"
+#include "engine/channels/ucx/UcxChannel.h"
+#include "engine/transports/ucx/UcxControl.h"
+#include "engine/transports/ucx/UcxWorker.h"
+
+namespace smfree::engine {
+namespace {
+
+constexpr auto kExpiryScanInterval = std::chrono::milliseconds(20);
+constexpr int kSleepMs = 50;  // longest sleep, so expiry is noticed promptly while idle
+
+std::mutex processEngineMutex;
+std::weak_ptr<Engine> processEngine;
+
+int64_t millisSince(Clock::time_point then, Clock::time_point now) {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(now - then).count();
+}
+
+std::string peerKey(int rank) { return concat("smfree/peer/", rank); }
+
+std::string mismatchMessage(const GroupConfig& group, const ReadyToSend& send, const Op& recv) {
+  return concat("size or dtype mismatch in group '", group.name, "', tag ", send.tag, ": rank ",
+                send.source, " sends ", send.desc.describe(), " to rank ", group.rank,
+                ", which receives into ", recv.request.desc.describe());
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- lifetime
+
+std::shared_ptr<Engine> Engine::acquire() {
+  std::lock_guard<std::mutex> lock(processEngineMutex);
+  if (auto engine = processEngine.lock()) {
+    return engine;
+  }
+  auto engine = std::make_shared<Engine>(Private{});
+  processEngine = engine;
+  return engine;
+}
+
+void Engine::stopProcessEngine() {
+  std::shared_ptr<Engine> engine;
+  {
+    std::lock_guard<std::mutex> lock(processEngineMutex);
+    engine = processEngine.lock();
+  }
+  if (engine) {
+    engine->stop();
+  }
+}
+
+Engine::Engine(Private)
+    : config_(Config::fromEnv()),
+      worker_(std::make_unique<UcxWorker>(config_)),
+      local_(PeerAddress::local(worker_->address())) {
+  control_ = std::make_unique<UcxControl>(
+      *worker_, [this](const void* data, size_t length) { onControlMessage(data, length); });
+  ucxChannel_ = std::make_unique<UcxChannel>(
+      *worker_, [this](const std::shared_ptr<Op>& op, const Status& status) {
+        onTransferDone(op, status);
+      });
+  progress_ = std::thread([this] { run(); });
+  log(LogLevel::kInfo, "engine started on host ", local_.hostname);
+}
+
+Engine::~Engine() {
+  stop();
+  // The progress thread is gone: finish what is left from here.
+  for (auto& [id, op] : std::unordered_map<uint64_t, std::shared_ptr<Op>>(live_)) {
+    complete(op, Status::failure(StatusCode::kAborted,
+                                 concat(op->describe(), " failed: the smfree engine shut down")));
+  }
+  live_.clear();
+  groups_.clear();
+  peers_.clear();
+  ucxChannel_.reset();
+  control_.reset();
+}
+
+void Engine::stop() {
+  {
+    std::lock_guard<std::mutex> lock(commandsMutex_);
+    if (stopping_) {
+      return;
+    }
+    stopping_ = true;
+  }
+  worker_->signal();
+  if (progress_.joinable()) {
+    progress_.join();
+  }
+}
+
+// ---------------------------------------------------------------- any thread
+
+void Engine::submit(std::function<void()> command) {
+  {
+    std::lock_guard<std::mutex> lock(commandsMutex_);
+    if (stopping_) {
+      fail("the engine has shut down");
+    }
+    commands_.push_back(std::move(command));
+  }
+  worker_->signal();
+}
+
+template <typename T>
+T Engine::call(std::function<T()> command, std::chrono::milliseconds timeout, const char* what) {
+  auto promise = std::make_shared<std::promise<T>>();
+  auto future = promise->get_future();
+  submit([promise, command = std::move(command)] {
+    try {
+      if constexpr (std::is_void_v<T>) {
+        command();
+        promise->set_value();
+      } else {
+        promise->set_value(command());
+      }
+    } catch (...) {
+      promise->set_exception(std::current_exception());
+    }
+  });
+  if (future.wait_for(timeout) != std::future_status::ready) {
+    fail(what, " did not finish within ", timeout.count(), " ms");
+  }
+  return future.get();
+}
+
+std::optional<std::string> Engine::failureOf(const std::string& processKey) {
+  std::lock_guard<std::mutex> lock(failuresMutex_);
+  auto it = failures_.find(processKey);
+  if (it == failures_.end()) {
+    return std::nullopt;
+  }
+  return it->second;
+}
+
+std::shared_ptr<Group> Engine::joinGroup(GroupConfig config, std::shared_ptr<KeyValueStore> store,
+                                         std::chrono::milliseconds timeout) {
+  if (config.size < 1 || config.rank < 0 || config.rank >= config.size) {
+    fail("invalid group '", config.name, "': rank ", config.rank, " of size ", config.size);
+  }
+  auto shared = std::make_shared<const GroupConfig>(std::move(config));
+  store->set(peerKey(shared->rank), local_.encode());
+  call<void>([this, shared] { registerGroup(shared); }, timeout, "registering the group");
+  return std::make_shared<Group>(shared_from_this(), shared, std::move(store), timeout);
+}
+
+// ---------------------------------------------------------------- progress thread
+
+void Engine::run() {
+  auto lastActivity = Clock::now();
+  auto lastScan = lastActivity;
+  pollfd wakeup{worker_->eventFd(), POLLIN, 0};
+  while (runCommands()) {
+    bool active = false;
+    while (worker_->progress() != 0) {
+      active = true;
+    }
+    const auto now = Clock::now();
+    if (active) {
+      lastActivity = now;
+    }
+    if (now - lastScan >= kExpiryScanInterval) {
+      expireOps(now);
+      lastScan = now;
+    }
+    if (now - lastActivity < config_.spin || !worker_->arm()) {
+      continue;
+    }
+    {
+      std::lock_guard<std::mutex> lock(commandsMutex_);
+      if (!commands_.empty() || stopping_) {
+        continue;
+      }
+    }
+    // Submitters signal the worker, which fires the armed event fd.
+    poll(&wakeup, 1, kSleepMs);
+  }
+}
+
+bool Engine::runCommands() {
+  std::deque<std::function<void()>> batch;
+  {
+    std::lock_guard<std::mutex> lock(commandsMutex_);
+    if (stopping_) {
+      return false;
+    }
+    batch.swap(commands_);
+  }
+  for (auto& command : batch) {
+    try {
+      command();
+    } catch (const std::exception& error) {
+      log(LogLevel::kError, "internal command failed: ", error.what());
+    }
+  }
+  return true;
+}
+
+void Engine::registerGroup(std::shared_ptr<const GroupConfig> config) {
+  const uint64_t id = groupIdOf(config->name);
+  auto existing = groups_.find(id);
+  if (existing != groups_.end() && !existing->second.closed) {
+    fail("group '", config->name, "' is already open in this process (or its name hashes like "
+         "group '", existing->second.config->name, "')");
+  }
+  GroupState& state = groups_[id];
+  state = GroupState{};
+  state.config = config;
+  state.id = id;
+  state.peers.assign(config->size, nullptr);
+  auto orphans = orphans_.find(id);
+  if (orphans != orphans_.end()) {
+    for (ReadyToSend& rts : orphans->second) {
+      state.matcher.announce(std::move(rts));  // no recv is posted yet: nothing can match
+    }
+    orphans_.erase(orphans);
+  }
+}
+
+void Engine::attachPeer(uint64_t groupId, int rank, const PeerAddress& address) {
+  GroupState* group = findGroup(groupId);
+  if (!group || group->closed) {
+    fail("group is closed");
+  }
+  auto& peer = peers_[address.processKey];
+  if (!peer) {
+    peer = std::make_unique<Peer>();
+    peer->address = address;
+    const std::string key = address.processKey;
+    peer->endpoint = std::make_unique<UcxEndpoint>(
+        worker_->handle(), address.workerAddress, [this, key](ucs_status_t status) {
+          onPeerFailure(key, concat("UCX reported ", ucxStatusText(status)));
+        });
+  }
+  group->peers[rank] = peer.get();
+}
+
+void Engine::closeGroup(uint64_t groupId, StatusCode code, const std::string& reason) {
+  GroupState* group = findGroup(groupId);
+  if (!group || group->closed) {
+    return;
+  }
+  group->closed = true;
+  group->closeReason = reason;
+  std::vector<std::shared_ptr<Op>> affected;
+  for (auto& [id, op] : live_) {
+    if (op->groupId == groupId && !op->finished()) affected.push_back(op);
+  }
+  for (auto& op : affected) {
+    if (op->phase == Op::Phase::kMoving) channelFor(*op).cancel(*op);
+    complete(op, Status::failure(code, concat(op->describe(), " failed: ", reason)));
+  }
+  group->matcher.clear();
+}
+
+std::string Engine::dumpPending(uint64_t groupId) {
+  const auto now = Clock::now();
+  std::ostringstream out;
+  size_t count = 0;
+  for (const auto& [id, op] : live_) {
+    if (op->groupId != groupId || op->finished()) continue;
+    ++count;
+    out << "  " << op->describe() << ", posted " << millisSince(op->posted, now) << " ms ago, "
+        << (op->phase == Op::Phase::kMoving
+                ? "moving data"
+                : (op->isSend() ? "waiting for the receiver" : "waiting for a matching send"))
+        << "\n";
+  }
+  if (GroupState* group = findGroup(groupId)) {
+    group->matcher.forEachWaiting([&](const Announcement& announcement) {
+      ++count;
+      out << "  announced send from rank " << announcement.rts.source << " (tag "
+          << announcement.rts.tag << ", " << announcement.rts.desc.describe()
+          << "), waiting for a recv" << (announcement.cancelled ? " (cancelled by sender)" : "")
+          << "\n";
+    });
+  }
+  return concat(count, " pending:\n", out.str());
+}
+
+void Engine::startOp(const std::shared_ptr<Op>& op) {
+  GroupState* group = findGroup(op->groupId);
+  if (!group || group->closed) {
+    complete(op, Status::failure(StatusCode::kAborted,
+                                 concat(op->describe(), " failed: the group is closed")));
+    return;
+  }
+  live_.emplace(op->id, op);
+  if (op->request.peer != kAnySource) {
+    Peer* peer = group->peers[op->request.peer];
+    if (!peer || peer->failed) {
+      complete(op, Status::failure(StatusCode::kPeerFailure,
+                                   concat(op->describe(), " failed: ",
+                                          peer ? peer->failure : "the peer is not connected")));
+      return;
+    }
+    if (op->isSend()) {
+      op->seq = group->sendSeq[{op->request.peer, op->request.tag}]++;
+      sendControl(*peer, ReadyToSend{op->groupId, group->config->rank, op->request.tag, op->seq,
+                                     op->id, op->request.desc});
+      return;
+    }
+  }
+  if (auto match = group->matcher.postRecv(op)) {
+    onMatched(*group, *match);
+  }
+}
+
+void Engine::onControlMessage(const void* data, size_t length) {
+  std::visit(
+      [this](const auto& message) {
+        using T = std::decay_t<decltype(message)>;
+        if constexpr (std::is_same_v<T, ReadyToSend>) onReadyToSend(message);
+        if constexpr (std::is_same_v<T, ClearToSend>) onClearToSend(message);
+        if constexpr (std::is_same_v<T, Refusal>) onRefusal(message);
+        if constexpr (std::is_same_v<T, Cancellation>) onCancellation(message);
+      },
+      decode(data, length));
+}
+
+void Engine::onReadyToSend(const ReadyToSend& message) {
+  GroupState* group = findGroup(message.group);
+  if (!group) {
+    orphans_[message.group].push_back(message);
+    return;
+  }
+  if (group->closed) {
+    log(LogLevel::kDebug, "dropped a send announced to closed group '", group->config->name, "'");
+    return;
+  }
+  for (Matcher::Match& match : group->matcher.announce(message)) {
+    onMatched(*group, match);
+  }
+}
+
+void Engine::onMatched(GroupState& group, Matcher::Match& match) {
+  const std::shared_ptr<Op>& recv = match.recv;
+  const ReadyToSend& rts = match.announcement.rts;
+  Peer* sender = group.peers[rts.source];
+  if (!sender) {
+    // Cannot happen for a specific recv (it connects first); any-source recvs connect to all.
+    complete(recv, Status::failure(StatusCode::kTransport,
+                                   concat(recv->describe(), " matched rank ", rts.source,
+                                          ", which it is not connected to")));
+    return;
+  }
+  if (recv->finished()) {
+    // The recv timed out earlier but kept its place in line: refuse the send it was meant for.
+    sendControl(*sender, Refusal{group.id, group.config->rank, rts.sendId, StatusCode::kTimeout,
+                                 concat("the matching ", recv->describe(),
+                                        " had already timed out")});
+    return;
+  }
+  recv->source = rts.source;
+  recv->seq = rts.seq;
+  recv->remoteId = rts.sendId;
+  if (match.announcement.cancelled) {
+    complete(recv, Status::failure(StatusCode::kTimeout,
+                                   concat(recv->describe(), " failed: the matching send gave up: ",
+                                          match.announcement.cancelReason)));
+    return;
+  }
+  if (!rts.desc.compatibleWith(recv->request.desc)) {
+    const std::string why = mismatchMessage(*group.config, rts, *recv);
+    complete(recv, Status::failure(StatusCode::kMismatch, why));
+    sendControl(*sender, Refusal{group.id, group.config->rank, rts.sendId, StatusCode::kMismatch,
+                                 why});
+    return;
+  }
+  ClearToSend clear{group.id, group.config->rank, rts.sendId, recv->id, {}};
+  if (rts.desc.bytes == 0) {
+    complete(recv, Status::success());
+    sendControl(*sender, clear);
+    return;
+  }
+  recv->phase = Op::Phase::kMoving;
+  try {
+    clear.channelData = channelFor(*recv).armRecv(recv, *sender);
+  } catch (const Error& error) {
+    complete(recv, Status::failure(StatusCode::kTransport, error.what()));
+    sendControl(*sender, Refusal{group.id, group.config->rank, rts.sendId,
+                                 StatusCode::kTransport, error.what()});
+    return;
+  }
+  sendControl(*sender, clear);
+}
+
+void Engine::onClearToSend(const ClearToSend& message) {
+  std::shared_ptr<Op> send = findLive(message.sendId);
+  GroupState* group = findGroup(message.group);
+  Peer* receiver = group ? group->peers[message.receiver] : nullptr;
+  if (!send || send->finished()) {
+    // The send already failed (timeout, abort): its receiver must not wait for the bytes.
+    if (receiver && message.recvId != 0) {
+      sendControl(*receiver,
+                  Cancellation{message.group, group->config->rank, 0, 0, message.recvId,
+                               send ? concat("the matching ", send->describe(), " had already failed")
+                                    : std::string("the matching send had already failed")});
+    }
+    return;
+  }
+  send->remoteId = message.recvId;
+  if (send->request.desc.bytes == 0) {
+    complete(send, Status::success());
+    return;
+  }
+  if (!receiver) {
+    complete(send, Status::failure(StatusCode::kTransport,
+                                   concat(send->describe(), " was cleared by an unknown rank")));
+    return;
+  }
+  send->phase = Op::Phase::kMoving;
+  channelFor(*send).startSend(send, *receiver, message.channelData);
+}
+
+void Engine::onRefusal(const Refusal& message) {
+  if (std::shared_ptr<Op> send = findLive(message.sendId)) {
+    complete(send, Status::failure(message.code, message.reason));
+  }
+}
+
+void Engine::onCancellation(const Cancellation& message) {
+  if (message.recvId != 0) {
+    std::shared_ptr<Op> recv = findLive(message.recvId);
+    if (recv && !recv->finished()) {
+      if (recv->phase == Op::Phase::kMoving) channelFor(*recv).cancel(*recv);
+      complete(recv, Status::failure(StatusCode::kTimeout,
+                                     concat(recv->describe(), " failed: ", message.reason)));
+    }
+    return;
+  }
+  if (GroupState* group = findGroup(message.group)) {
+    group->matcher.cancel(message.source, message.tag, message.seq, message.reason);
+  }
+}
+
+void Engine::onTransferDone(const std::shared_ptr<Op>& op, const Status& status) {
+  complete(op, status);
+  release(op);
+}
+
+void Engine::onPeerFailure(const std::string& processKey, const std::string& why) {
+  auto it = peers_.find(processKey);
+  if (it == peers_.end() || it->second->failed) {
+    return;
+  }
+  Peer& peer = *it->second;
+  peer.failed = true;
+  peer.failure = concat("its peer process (", peer.describe(), ") failed: ", why);
+  {
+    std::lock_guard<std::mutex> lock(failuresMutex_);
+    failures_[processKey] = peer.failure;
+  }
+  log(LogLevel::kWarn, "peer ", peer.describe(), " failed: ", why);
+  std::vector<std::shared_ptr<Op>> affected;
+  for (auto& [id, op] : live_) {
+    if (!op->finished() && partnerOf(*op) == &peer) affected.push_back(op);
+  }
+  for (auto& op : affected) {
+    if (op->phase == Op::Phase::kMoving) channelFor(*op).cancel(*op);
+    complete(op, Status::failure(StatusCode::kPeerFailure,
+                                 concat(op->describe(), " failed: ", peer.failure)));
+  }
+}
+
+void Engine::expireOps(Clock::time_point now) {
+  std::vector<std::shared_ptr<Op>> expired;
+  for (auto& [id, op] : live_) {
+    if (!op->finished() && now >= op->deadline) expired.push_back(op);
+  }
+  std::vector<uint64_t> reported;
+  for (auto& op : expired) {
+    if (std::find(reported.begin(), reported.end(), op->groupId) == reported.end()) {
+      reported.push_back(op->groupId);
+      log(LogLevel::kWarn, "timeout in group '", op->config->name, "'; ",
+          dumpPending(op->groupId));
+    }
+    expire(op, now);
+  }
+}
+
+void Engine::expire(const std::shared_ptr<Op>& op, Clock::time_point now) {
+  const int64_t age = millisSince(op->posted, now);
+  const int64_t limit = millisSince(op->posted, op->deadline);
+  const bool moving = op->phase == Op::Phase::kMoving;
+  const std::string why = concat(
+      op->describe(),
+      moving ? " did not finish" : (op->isSend() ? " was not matched by a recv" : " was not matched by a send"),
+      " within the group timeout of ", limit, " ms (posted ", age, " ms ago)");
+  if (moving) {
+    channelFor(*op).cancel(*op);
+  }
+  complete(op, Status::failure(StatusCode::kTimeout, why));
+  // An announced send still holds a place in the receiver's line: tell it the send gave up.
+  if (op->isSend() && !moving) {
+    if (Peer* peer = partnerOf(*op); peer && !peer->failed) {
+      sendControl(*peer, Cancellation{op->groupId, op->config->rank, op->request.tag, op->seq, 0,
+                                      why});
+    }
+  }
+}
+
+void Engine::complete(const std::shared_ptr<Op>& op, const Status& status) {
+  if (op->finished()) {
+    return;
+  }
+  op->phase = Op::Phase::kDone;
+  OpCallback callback = std::move(op->request.onComplete);
+  op->request.onComplete = nullptr;
+  if (callback) {
+    try {
+      callback(status, op->source);
+    } catch (const std::exception& error) {
+      log(LogLevel::kError, "completion callback of ", op->describe(), " threw: ", error.what());
+    }
+  }
+  release(op);
+}
+
+void Engine::release(const std::shared_ptr<Op>& op) {
+  if (op->finished() && op->outstanding == 0) {
+    op->request.keepalive.reset();
+    live_.erase(op->id);
+  }
+}
+
+void Engine::sendControl(Peer& peer, const ControlMessage& message) {
+  if (peer.failed) {
+    return;
+  }
+  const std::string key = peer.address.processKey;
+  control_->send(*peer.endpoint, encode(message), [this, key](ucs_status_t status) {
+    onPeerFailure(key, concat("a control message failed: ", ucxStatusText(status)));
+  });
+}
+
+GroupState* Engine::findGroup(uint64_t groupId) {
+  auto it = groups_.find(groupId);
+  return it == groups_.end() ? nullptr : &it->second;
+}
+
+std::shared_ptr<Op> Engine::findLive(uint64_t opId) {
+  auto it = live_.find(opId);
+  return it == live_.end() ? nullptr : it->second;
+}
+
+Peer* Engine::partnerOf(const Op& op) {
+  GroupState* group = findGroup(op.groupId);
+  const int rank = op.partner();
+  if (!group || rank < 0 || rank >= static_cast<int>(group->peers.size())) {
+    return nullptr;
+  }
+  return group->peers[rank];
+}
+
+Channel& Engine::channelFor(const Op&) { return *ucxChannel_; }
+
+// ---------------------------------------------------------------- Group
+
+Group::Group(std::shared_ptr<Engine> engine, std::shared_ptr<const GroupConfig> config,
+             std::shared_ptr<KeyValueStore> store, std::chrono::milliseconds timeout)
+    : engine_(std::move(engine)),
+      config_(std::move(config)),
+      store_(std::move(store)),
+      id_(groupIdOf(config_->name)),
+      timeoutMs_(timeout.count()),
+      connected_(std::make_unique<std::atomic<bool>[]>(config_->size)),
+      processKeys_(config_->size) {
+  for (int rank = 0; rank < config_->size; ++rank) connected_[rank] = false;
+}
+
+Group::~Group() {
+  try {
+    close(StatusCode::kAborted, "the group was destroyed");
+  } catch (const std::exception& error) {
+    log(LogLevel::kWarn, "closing group '", config_->name, "': ", error.what());
+  }
+}
+
+void Group::connect(int rank) {
+  if (connected_[rank].load(std::memory_order_acquire)) {
+    return;
+  }
+  const PeerAddress address = PeerAddress::decode(store_->get(peerKey(rank)));
+  const uint64_t id = id_;
+  Engine* engine = engine_.get();
+  engine_->call<void>([engine, id, rank, address] { engine->attachPeer(id, rank, address); },
+                      timeout(), "connecting to a peer");
+  {
+    std::lock_guard<std::mutex> lock(keysMutex_);
+    processKeys_[rank] = address.processKey;
+  }
+  connected_[rank].store(true, std::memory_order_release);
+}
+
+void Group::connectAll() {
+  for (int rank = 0; rank < config_->size; ++rank) {
+    if (rank != config_->rank) connect(rank);
+  }
+}
+
+void Group::post(OpRequest request) {
+  if (closed_) {
+    fail("group '", config_->name, "' is closed");
+  }
+  auto op = std::make_shared<Op>();
+  op->id = engine_->nextOpId();
+  op->request = std::move(request);
+  op->groupId = id_;
+  op->config = config_;
+  op->posted = Clock::now();
+  op->deadline = op->posted + timeout();
+  Engine* engine = engine_.get();
+  engine_->submit([engine, op] { engine->startOp(op); });
+}
+
+void Group::close(StatusCode code, const std::string& reason) {
+  if (closed_.exchange(true)) {
+    return;
+  }
+  const uint64_t id = id_;
+  Engine* engine = engine_.get();
+  engine_->call<void>([engine, id, code, reason] { engine->closeGroup(id, code, reason); },
+                      std::chrono::seconds(60), "closing the group");
+}
+
+std::optional<std::string> Group::peerFailure(int rank) {
+  std::string key;
+  {
+    std::lock_guard<std::mutex> lock(keysMutex_);
+    key = processKeys_[rank];
+  }
+  return key.empty() ? std::nullopt : engine_->failureOf(key);
+}
+
+std::string Group::dumpPending() {
+  const uint64_t id = id_;
+  Engine* engine = engine_.get();
+  return engine_->call<std::string>([engine, id] { return engine->dumpPending(id); },
+                                    std::chrono::seconds(10), "dumping pending ops");
+}
+
+}  // namespace smfree::engine

@@ -1,0 +1,151 @@
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "engine/Config.h"
+#include "engine/GroupState.h"
+#include "engine/Op.h"
+#include "engine/Peer.h"
+#include "engine/Store.h"
+#include "engine/Wire.h"
+
+namespace smfree::engine {
+
+class Channel;
+class Group;
+class UcxControl;
+class UcxWorker;
+
+// One per process, shared by every group: the UCX worker, the control transport, the data
+// channels and the progress thread that drives them. Everything below "progress thread"
+// runs on that thread only; other threads reach it through submit().
+class Engine : public std::enable_shared_from_this<Engine> {
+ public:
+  // The process's engine, created on first use and destroyed with its last group.
+  static std::shared_ptr<Engine> acquire();
+  // Stops the live engine, if any, failing its pending ops (process exit).
+  static void stopProcessEngine();
+
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Publishes this process in the group's store and registers the group.
+  std::shared_ptr<Group> joinGroup(GroupConfig config, std::shared_ptr<KeyValueStore> store,
+                                   std::chrono::milliseconds timeout);
+  const PeerAddress& localAddress() const { return local_; }
+  const Config& config() const { return config_; }
+
+ private:
+  friend class Group;
+  struct Private {};
+
+ public:
+  explicit Engine(Private);
+
+ private:
+  // Any thread.
+  void submit(std::function<void()> command);
+  template <typename T>
+  T call(std::function<T()> command, std::chrono::milliseconds timeout, const char* what);
+  void stop();
+  std::optional<std::string> failureOf(const std::string& processKey);
+  uint64_t nextOpId() { return nextOpId_.fetch_add(1); }
+
+  // Progress thread.
+  void run();
+  bool runCommands();
+  void registerGroup(std::shared_ptr<const GroupConfig> config);
+  void attachPeer(uint64_t groupId, int rank, const PeerAddress& address);
+  void closeGroup(uint64_t groupId, StatusCode code, const std::string& reason);
+  std::string dumpPending(uint64_t groupId);
+
+  void startOp(const std::shared_ptr<Op>& op);
+  void onControlMessage(const void* data, size_t length);
+  void onReadyToSend(const ReadyToSend& message);
+  void onClearToSend(const ClearToSend& message);
+  void onRefusal(const Refusal& message);
+  void onCancellation(const Cancellation& message);
+  void onMatched(GroupState& group, Matcher::Match& match);
+  void onTransferDone(const std::shared_ptr<Op>& op, const Status& status);
+  void onPeerFailure(const std::string& processKey, const std::string& why);
+  void expireOps(Clock::time_point now);
+  void expire(const std::shared_ptr<Op>& op, Clock::time_point now);
+  void complete(const std::shared_ptr<Op>& op, const Status& status);
+  void release(const std::shared_ptr<Op>& op);
+  void sendControl(Peer& peer, const ControlMessage& message);
+  GroupState* findGroup(uint64_t groupId);
+  std::shared_ptr<Op> findLive(uint64_t opId);
+  Peer* partnerOf(const Op& op);
+  Channel& channelFor(const Op& op);
+
+  const Config config_;
+  std::unique_ptr<UcxWorker> worker_;
+  PeerAddress local_;
+  std::unique_ptr<UcxControl> control_;
+  std::unique_ptr<Channel> ucxChannel_;
+
+  std::mutex commandsMutex_;
+  std::deque<std::function<void()>> commands_;
+  bool stopping_ = false;
+  std::atomic<uint64_t> nextOpId_{1};
+  std::thread progress_;
+
+  std::mutex failuresMutex_;
+  std::unordered_map<std::string, std::string> failures_;  // processKey -> why
+
+  // Progress thread only.
+  std::unordered_map<uint64_t, GroupState> groups_;
+  std::unordered_map<std::string, std::unique_ptr<Peer>> peers_;
+  std::unordered_map<uint64_t, std::shared_ptr<Op>> live_;
+  std::unordered_map<uint64_t, std::vector<ReadyToSend>> orphans_;  // for groups not joined yet
+};
+
+// A member's handle on one group: thread-safe, used by the c10d backend.
+class Group {
+ public:
+  Group(std::shared_ptr<Engine> engine, std::shared_ptr<const GroupConfig> config,
+        std::shared_ptr<KeyValueStore> store, std::chrono::milliseconds timeout);
+  ~Group();  // closes the group: its pending ops fail
+  Group(const Group&) = delete;
+  Group& operator=(const Group&) = delete;
+
+  const GroupConfig& config() const { return *config_; }
+  std::chrono::milliseconds timeout() const { return std::chrono::milliseconds(timeoutMs_.load()); }
+  void setTimeout(std::chrono::milliseconds timeout) { timeoutMs_ = timeout.count(); }
+
+  // Makes sure the endpoint to `rank` exists (first use: a store lookup). Throws on failure.
+  void connect(int rank);
+  void connectAll();
+  // Never blocks on the transfer; `request.onComplete` reports the outcome.
+  void post(OpRequest request);
+  // Fails every pending op with `reason` and refuses new ones; returns once that is done.
+  void close(StatusCode code, const std::string& reason);
+  // Why `rank`'s process is known dead, if it is.
+  std::optional<std::string> peerFailure(int rank);
+  std::string dumpPending();
+
+ private:
+  std::shared_ptr<Engine> engine_;
+  std::shared_ptr<const GroupConfig> config_;
+  std::shared_ptr<KeyValueStore> store_;
+  uint64_t id_;
+  std::atomic<int64_t> timeoutMs_;
+  std::unique_ptr<std::atomic<bool>[]> connected_;
+  std::mutex keysMutex_;
+  std::vector<std::string> processKeys_;  // by rank, once connected
+  std::atomic<bool> closed_{false};
+};
+
+}  // namespace smfree::engine

@@ -1,0 +1,37 @@
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "engine/Matcher.h"
+
+namespace smfree::engine {
+
+struct Peer;
+
+// Identity of a group as every member knows it.
+struct GroupConfig {
+  std::string name;  // the c10d group name, equal on every member
+  int rank = 0;
+  int size = 0;
+};
+
+uint64_t groupIdOf(const std::string& name);
+
+// A group as the progress thread sees it.
+struct GroupState {
+  std::shared_ptr<const GroupConfig> config;
+  uint64_t id = 0;
+  Matcher matcher;
+  std::vector<Peer*> peers;                     // by group rank; null until connected
+  std::map<std::pair<int, int>, uint64_t> sendSeq;  // (destination, tag) -> next seq
+  bool closed = false;
+  std::string closeReason;
+};
+
+}  // namespace smfree::engine

@@ -1,0 +1,73 @@
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "engine/Status.h"
+#include "engine/TensorDesc.h"
+
+namespace smfree::engine {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr int kAnySource = -1;
+
+enum class OpKind : uint8_t { kSend, kRecv };
+enum class MemoryKind : uint8_t { kHost, kCuda };
+
+struct Buffer {
+  void* data = nullptr;
+  uint64_t bytes = 0;
+  MemoryKind memory = MemoryKind::kHost;
+  int device = -1;
+};
+
+// Runs once, on the progress thread; `source` is the rank the op was matched with (-1 if never).
+using OpCallback = std::function<void(const Status& status, int source)>;
+
+// One point-to-point op as a caller asks for it.
+struct OpRequest {
+  OpKind kind = OpKind::kSend;
+  int peer = 0;  // group rank, or kAnySource for a recv
+  int tag = 0;
+  Buffer buffer;
+  TensorDesc desc;
+  std::shared_ptr<void> keepalive;  // the caller's tensor, held until no transport touches it
+  OpCallback onComplete;
+};
+
+struct GroupConfig;
+
+// An op inside the engine. Touched only on the progress thread once posted.
+struct Op {
+  enum class Phase {
+    kPosted,   // send: announced, waiting to be cleared; recv: waiting in the matcher
+    kMoving,   // a channel is moving the bytes
+    kDone,     // the caller was told the outcome
+  };
+
+  uint64_t id = 0;
+  OpRequest request;
+  uint64_t groupId = 0;
+  std::shared_ptr<const GroupConfig> config;
+  Clock::time_point posted;
+  Clock::time_point deadline;
+
+  Phase phase = Phase::kPosted;
+  uint64_t seq = 0;        // position in the (group, sender, receiver, tag) stream
+  int source = -1;         // recv: the rank it was matched with
+  uint64_t remoteId = 0;   // id of the partner op on the peer, once known
+  int outstanding = 0;     // transport requests that still reference the buffer
+  void* transportRequest = nullptr;
+
+  bool isSend() const { return request.kind == OpKind::kSend; }
+  bool finished() const { return phase == Phase::kDone; }
+  int partner() const { return isSend() ? request.peer : source; }
+  // e.g. "send to rank 1 (group '0', tag 3, float32[4] (16 B))"
+  std::string describe() const;
+};
+
+}  // namespace smfree::engine

@@ -1,0 +1,34 @@
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/transports/ucx/UcxEndpoint.h"
+
+namespace smfree::engine {
+
+// What a process publishes about itself in each group's store.
+struct PeerAddress {
+  std::string processKey;  // unique per engine instance
+  std::string hostKey;     // equal for processes that share a kernel and PID namespace
+  std::string hostname;
+  int pid = 0;
+  std::vector<uint8_t> workerAddress;
+
+  std::vector<uint8_t> encode() const;
+  static PeerAddress decode(const std::vector<uint8_t>& bytes);
+  static PeerAddress local(std::vector<uint8_t> workerAddress);
+};
+
+// A remote process, shared by every group that reaches it.
+struct Peer {
+  PeerAddress address;
+  std::unique_ptr<UcxEndpoint> endpoint;
+  bool failed = false;
+  std::string failure;
+
+  std::string describe() const;  // "pid 123 on host node7"
+};
+
+}  // namespace smfree::engine

@@ -1,0 +1,57 @@
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "engine/Status.h"
+#include "engine/TensorDesc.h"
+
+namespace smfree::engine {
+
+// Control messages between engines. A send is announced to its receiver, which matches it
+// in posting order and either clears it (the channel then moves the bytes) or refuses it.
+struct ReadyToSend {
+  uint64_t group = 0;
+  int32_t source = 0;  // sender's rank in the group
+  int32_t tag = 0;
+  uint64_t seq = 0;    // per (group, sender, receiver, tag), from 0
+  uint64_t sendId = 0;
+  TensorDesc desc;
+};
+
+struct ClearToSend {
+  uint64_t group = 0;
+  int32_t receiver = 0;  // receiver's rank in the group
+  uint64_t sendId = 0;
+  uint64_t recvId = 0;
+  std::string channelData;  // what the channel needs to reach the receive buffer
+};
+
+// The receiver will not take this send: mismatch, or its recv already failed.
+struct Refusal {
+  uint64_t group = 0;
+  int32_t receiver = 0;
+  uint64_t sendId = 0;
+  StatusCode code = StatusCode::kMismatch;
+  std::string reason;
+};
+
+// The sender gave up on a send (timeout): fail the recv that matches or matched it.
+struct Cancellation {
+  uint64_t group = 0;
+  int32_t source = 0;
+  int32_t tag = 0;
+  uint64_t seq = 0;
+  uint64_t recvId = 0;  // 0 while the sender has not been cleared
+  std::string reason;
+};
+
+using ControlMessage = std::variant<ReadyToSend, ClearToSend, Refusal, Cancellation>;
+
+std::vector<uint8_t> encode(const ControlMessage& message);
+// Throws Error on a truncated or unknown message.
+ControlMessage decode(const void* data, size_t length);
+
+}  // namespace smfree::engine

@@ -1,0 +1,118 @@
+#include "engine/channels/ucx/UcxChannel.h"
+
+#include <cstring>
+
+#include "engine/Error.h"
+#include "engine/Peer.h"
+
+namespace smfree::engine {
+
+struct UcxChannel::Transfer {
+  UcxChannel* channel;
+  std::shared_ptr<Op> op;
+};
+
+namespace {
+
+constexpr ucp_tag_t kFullMask = ~ucp_tag_t{0};
+
+ucs_memory_type_t memoryType(const Buffer& buffer) {
+  return buffer.memory == MemoryKind::kCuda ? UCS_MEMORY_TYPE_CUDA : UCS_MEMORY_TYPE_HOST;
+}
+
+Status transportFailure(const Op& op, ucs_status_t status) {
+  return Status::failure(StatusCode::kTransport,
+                         concat("UCX failed ", op.describe(), ": ", ucxStatusText(status)));
+}
+
+}  // namespace
+
+UcxChannel::UcxChannel(UcxWorker& worker, Done onDone)
+    : worker_(worker), onDone_(std::move(onDone)) {}
+
+ucp_request_param_t UcxChannel::requestParams(Transfer& transfer) const {
+  ucp_request_param_t params{};
+  params.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                        UCP_OP_ATTR_FIELD_MEMORY_TYPE | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+  params.user_data = &transfer;
+  params.memory_type = memoryType(transfer.op->request.buffer);
+  return params;
+}
+
+std::string UcxChannel::armRecv(const std::shared_ptr<Op>& recv, const Peer&) {
+  auto transfer = std::make_unique<Transfer>(Transfer{this, recv});
+  ucp_request_param_t params = requestParams(*transfer);
+  params.cb.recv = &UcxChannel::onReceived;
+  const ucp_tag_t tag = recv->id;
+  void* request = ucp_tag_recv_nbx(worker_.handle(), recv->request.buffer.data,
+                                   recv->request.buffer.bytes, tag, kFullMask, &params);
+  if (UCS_PTR_IS_ERR(request)) {
+    fail("UCX could not post ", recv->describe(), ": ", ucxStatusText(UCS_PTR_STATUS(request)));
+  }
+  transfer.release();  // owned by the request until onReceived
+  recv->transportRequest = request;
+  ++recv->outstanding;
+  std::string channelData(sizeof(tag), '\0');
+  std::memcpy(channelData.data(), &tag, sizeof(tag));
+  return channelData;
+}
+
+void UcxChannel::startSend(const std::shared_ptr<Op>& send, Peer& destination,
+                           const std::string& channelData) {
+  ucp_tag_t tag = 0;
+  if (channelData.size() != sizeof(tag)) {
+    onDone_(send, Status::failure(StatusCode::kTransport,
+                                  concat("malformed clear-to-send for ", send->describe())));
+    return;
+  }
+  std::memcpy(&tag, channelData.data(), sizeof(tag));
+  auto transfer = std::make_unique<Transfer>(Transfer{this, send});
+  ucp_request_param_t params = requestParams(*transfer);
+  params.cb.send = &UcxChannel::onSent;
+  void* request = ucp_tag_send_nbx(destination.endpoint->handle(), send->request.buffer.data,
+                                   send->request.buffer.bytes, tag, &params);
+  if (UCS_PTR_IS_ERR(request)) {
+    onDone_(send, transportFailure(*send, UCS_PTR_STATUS(request)));
+    return;
+  }
+  transfer.release();  // owned by the request until onSent
+  send->transportRequest = request;
+  ++send->outstanding;
+}
+
+void UcxChannel::cancel(Op& op) {
+  if (op.transportRequest) {
+    ucp_request_cancel(worker_.handle(), op.transportRequest);
+  }
+}
+
+void UcxChannel::finish(Transfer& transfer, void* request, const Status& status) {
+  Op& op = *transfer.op;
+  op.transportRequest = nullptr;
+  --op.outstanding;
+  ucp_request_free(request);
+  onDone_(transfer.op, status);
+}
+
+void UcxChannel::onSent(void* request, ucs_status_t status, void* userData) {
+  std::unique_ptr<Transfer> transfer(static_cast<Transfer*>(userData));
+  const Status result =
+      status == UCS_OK ? Status::success() : transportFailure(*transfer->op, status);
+  transfer->channel->finish(*transfer, request, result);
+}
+
+void UcxChannel::onReceived(void* request, ucs_status_t status, const ucp_tag_recv_info_t* info,
+                            void* userData) {
+  std::unique_ptr<Transfer> transfer(static_cast<Transfer*>(userData));
+  const Op& op = *transfer->op;
+  Status result = Status::success();
+  if (status != UCS_OK) {
+    result = transportFailure(op, status);
+  } else if (info->length != op.request.buffer.bytes) {
+    result = Status::failure(StatusCode::kTransport,
+                             concat(op.describe(), " received ", info->length, " B"));
+  }
+  transfer->channel->finish(*transfer, request, result);
+}
+
+}  // namespace smfree::engine

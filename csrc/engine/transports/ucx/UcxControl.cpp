@@ -1,0 +1,76 @@
+#include "engine/transports/ucx/UcxControl.h"
+
+#include <memory>
+
+#include "engine/Log.h"
+
+namespace smfree::engine {
+namespace {
+
+constexpr unsigned kControlMessageId = 7;
+
+struct PendingMessage {
+  std::vector<uint8_t> bytes;
+  UcxControl::FailureHandler onFailure;
+};
+
+void onSent(void* request, ucs_status_t status, void* userData) {
+  std::unique_ptr<PendingMessage> message(static_cast<PendingMessage*>(userData));
+  ucp_request_free(request);
+  if (status != UCS_OK) {
+    message->onFailure(status);
+  }
+}
+
+}  // namespace
+
+UcxControl::UcxControl(UcxWorker& worker, Handler onMessage)
+    : worker_(worker), onMessage_(std::move(onMessage)) {
+  ucp_am_handler_param_t params{};
+  params.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                      UCP_AM_HANDLER_PARAM_FIELD_ARG;
+  params.id = kControlMessageId;
+  params.cb = &UcxControl::onReceive;
+  params.arg = this;
+  const ucs_status_t status = ucp_worker_set_am_recv_handler(worker_.handle(), &params);
+  if (status != UCS_OK) {
+    fail("UCX ucp_worker_set_am_recv_handler failed: ", ucxStatusText(status));
+  }
+}
+
+void UcxControl::send(UcxEndpoint& endpoint, std::vector<uint8_t> message,
+                      FailureHandler onFailure) {
+  auto pending = std::make_unique<PendingMessage>(PendingMessage{std::move(message), onFailure});
+  ucp_request_param_t params{};
+  params.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                        UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+  // Eager: the whole message reaches the handler, which must not defer.
+  params.flags = UCP_AM_SEND_FLAG_EAGER;
+  params.cb.send = &onSent;
+  params.user_data = pending.get();
+  void* request = ucp_am_send_nbx(endpoint.handle(), kControlMessageId, nullptr, 0,
+                                  pending->bytes.data(), pending->bytes.size(), &params);
+  if (UCS_PTR_IS_ERR(request)) {
+    onFailure(UCS_PTR_STATUS(request));
+    return;
+  }
+  pending.release();  // owned by the request until onSent
+}
+
+ucs_status_t UcxControl::onReceive(void* self, const void*, size_t, void* data, size_t length,
+                                   const ucp_am_recv_param_t* param) {
+  // Nothing may propagate into UCX's C frames: a bad message is logged and dropped.
+  if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
+    log(LogLevel::kError, "dropped a control message of ", length,
+        " B that arrived by rendezvous; eager was requested");
+    return UCS_OK;
+  }
+  try {
+    static_cast<UcxControl*>(self)->onMessage_(data, length);
+  } catch (const std::exception& error) {
+    log(LogLevel::kError, "dropped a control message: ", error.what());
+  }
+  return UCS_OK;
+}
+
+}  // namespace smfree::engine
