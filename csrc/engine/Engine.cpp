@@ -161,7 +161,6 @@ std::shared_ptr<Group> Engine::joinGroup(GroupConfig config, std::shared_ptr<Key
 void Engine::run() {
   auto lastActivity = Clock::now();
   auto lastScan = lastActivity;
-  pollfd wakeup{worker_->eventFd(), POLLIN, 0};
   while (runCommands()) {
     bool active = false;
     while (worker_->progress() != 0) {
@@ -172,6 +171,7 @@ void Engine::run() {
       lastActivity = now;
     }
     if (now - lastScan >= kExpiryScanInterval) {
+      checkPeers();
       expireOps(now);
       lastScan = now;
     }
@@ -184,9 +184,45 @@ void Engine::run() {
         continue;
       }
     }
-    // Submitters signal the worker, which fires the armed event fd.
-    poll(&wakeup, 1, kSleepMs);
+    sleep();
   }
+}
+
+void Engine::sleep() {
+  // Submitters signal the worker, which fires its armed event fd; a same-host peer's exit
+  // fires its pidfd.
+  std::vector<pollfd> events{{worker_->eventFd(), POLLIN, 0}};
+  for (const auto& [key, peer] : peers_) {
+    if (peer->watch && peer->watch->fd() >= 0 && !peer->failed) {
+      events.push_back({peer->watch->fd(), POLLIN, 0});
+    }
+  }
+  if (poll(events.data(), events.size(), kSleepMs) > 0 && events.size() > 1) {
+    checkPeers();
+  }
+}
+
+void Engine::checkPeers() {
+  for (auto& [key, peer] : peers_) {
+    if (peer->watch && !peer->failed && !peer->watch->alive()) {
+      onPeerFailure(key, "the process exited");
+    }
+    // Closing here, outside any UCX callback, completes the requests still queued to it.
+    if (peer->failed && peer->sameHost && peer->endpoint) {
+      peer->endpoint->peerGone();
+      peer->endpoint.reset();
+    }
+  }
+}
+
+bool Engine::referencedByOpenGroup(const Peer& peer) const {
+  for (const auto& [id, group] : groups_) {
+    if (group.closed) continue;
+    for (const Peer* member : group.peers) {
+      if (member == &peer) return true;
+    }
+  }
+  return false;
 }
 
 bool Engine::runCommands() {
@@ -238,9 +274,16 @@ void Engine::attachPeer(uint64_t groupId, int rank, const PeerAddress& address) 
   if (!peer) {
     peer = std::make_unique<Peer>();
     peer->address = address;
+    peer->sameHost = address.hostKey == local_.hostKey;
+    if (peer->sameHost) {
+      peer->watch = std::make_unique<ProcessWatch>(address.pid);
+    }
     const std::string key = address.processKey;
+    // Same host: shared memory and CMA need UCX's peer-failure handling off; the watch
+    // notices a dead peer instead.
     peer->endpoint = std::make_unique<UcxEndpoint>(
-        worker_->handle(), address.workerAddress, [this, key](ucs_status_t status) {
+        worker_->handle(), address.workerAddress, !peer->sameHost,
+        [this, key](ucs_status_t status) {
           onPeerFailure(key, concat("UCX reported ", ucxStatusText(status)));
         });
   }
@@ -421,6 +464,11 @@ void Engine::onClearToSend(const ClearToSend& message) {
                                    concat(send->describe(), " was cleared by an unknown rank")));
     return;
   }
+  if (receiver->failed) {
+    complete(send, Status::failure(StatusCode::kPeerFailure,
+                                   concat(send->describe(), " failed: ", receiver->failure)));
+    return;
+  }
   send->phase = Op::Phase::kMoving;
   channelFor(*send).startSend(send, *receiver, message.channelData);
 }
@@ -463,11 +511,13 @@ void Engine::onPeerFailure(const std::string& processKey, const std::string& why
     std::lock_guard<std::mutex> lock(failuresMutex_);
     failures_[processKey] = peer.failure;
   }
-  log(LogLevel::kWarn, "peer ", peer.describe(), " failed: ", why);
   std::vector<std::shared_ptr<Op>> affected;
   for (auto& [id, op] : live_) {
     if (!op->finished() && partnerOf(*op) == &peer) affected.push_back(op);
   }
+  // A peer leaving after every group with it closed is a normal exit.
+  const bool matters = !affected.empty() || referencedByOpenGroup(peer);
+  log(matters ? LogLevel::kWarn : LogLevel::kDebug, "peer ", peer.describe(), " failed: ", why);
   for (auto& op : affected) {
     if (op->phase == Op::Phase::kMoving) channelFor(*op).cancel(*op);
     complete(op, Status::failure(StatusCode::kPeerFailure,

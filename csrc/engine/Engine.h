@@ -80,6 +80,9 @@ class Engine : public std::enable_shared_from_this<Engine> {
   void onMatched(GroupState& group, Matcher::Match& match);
   void onTransferDone(const std::shared_ptr<Op>& op, const Status& status);
   void onPeerFailure(const std::string& processKey, const std::string& why);
+  void checkPeers();
+  bool referencedByOpenGroup(const Peer& peer) const;
+  void sleep();
   void expireOps(Clock::time_point now);
   void expire(const std::shared_ptr<Op>& op, Clock::time_point now);
   void complete(const std::shared_ptr<Op>& op, const Status& status);

@@ -65,7 +65,8 @@ struct Op {
 
   bool isSend() const { return request.kind == OpKind::kSend; }
   bool finished() const { return phase == Phase::kDone; }
-  int partner() const { return isSend() ? request.peer : source; }
+  // The rank this op talks to: its requested peer, or for any-source recvs the matched one.
+  int partner() const { return request.peer != kAnySource ? request.peer : source; }
   // e.g. "send to rank 1 (group '0', tag 3, float32[4] (16 B))"
   std::string describe() const;
 };

@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/ProcessWatch.h"
 #include "engine/transports/ucx/UcxEndpoint.h"
 
 namespace smfree::engine {
@@ -24,7 +25,9 @@ struct PeerAddress {
 // A remote process, shared by every group that reaches it.
 struct Peer {
   PeerAddress address;
-  std::unique_ptr<UcxEndpoint> endpoint;
+  bool sameHost = false;
+  std::unique_ptr<ProcessWatch> watch;  // same-host peers: UCX cannot notice their death
+  std::unique_ptr<UcxEndpoint> endpoint;  // null once a failed same-host peer was closed
   bool failed = false;
   std::string failure;
 

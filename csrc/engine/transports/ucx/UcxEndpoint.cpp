@@ -8,13 +8,13 @@
 namespace smfree::engine {
 
 UcxEndpoint::UcxEndpoint(ucp_worker_h worker, const std::vector<uint8_t>& address,
-                         ErrorHandler onError)
-    : worker_(worker), onError_(std::move(onError)) {
+                         bool peerFailureHandling, ErrorHandler onError)
+    : worker_(worker), forceClose_(peerFailureHandling), onError_(std::move(onError)) {
   ucp_ep_params_t params{};
   params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                       UCP_EP_PARAM_FIELD_ERR_HANDLER;
   params.address = reinterpret_cast<const ucp_address_t*>(address.data());
-  params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  params.err_mode = peerFailureHandling ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
   params.err_handler.cb = &UcxEndpoint::onError;
   params.err_handler.arg = this;
   const ucs_status_t status = ucp_ep_create(worker_, &params, &endpoint_);
@@ -26,12 +26,12 @@ UcxEndpoint::UcxEndpoint(ucp_worker_h worker, const std::vector<uint8_t>& addres
 UcxEndpoint::~UcxEndpoint() {
   ucp_request_param_t params{};
   params.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-  params.flags = UCP_EP_CLOSE_FLAG_FORCE;
+  params.flags = forceClose_ ? UCP_EP_CLOSE_FLAG_FORCE : 0;
   void* request = ucp_ep_close_nbx(endpoint_, &params);
   if (request == nullptr || UCS_PTR_IS_ERR(request)) {
     return;
   }
-  // A forced close completes locally; the bound only guards against a broken transport.
+  // The bound guards against a peer that died during a flush.
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
   while (ucp_request_check_status(request) == UCS_INPROGRESS &&
          std::chrono::steady_clock::now() < deadline) {

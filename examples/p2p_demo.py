@@ -1,0 +1,240 @@
+"""Point-to-point demo: smfree beside the stock backend, in one run.
+
+Ranks are paired (0<->1, 2<->3, ...; with an odd world size the last rank idles). For each
+message size, both ranks of a pair exchange a buffer in each direction per iteration with
+`dist.batch_isend_irecv`, first over the reference backend ("gloo" on CPU, "nccl" on GPU),
+then over smfree. Rank 0 prints one table: time per exchange, GB/s one way (1 GB = 1e9 B),
+and smfree's GB/s as a fraction of the reference's. Times are those of the slowest pair.
+
+Run it with torchrun, e.g.
+
+    torchrun --nproc-per-node=2 examples/p2p_demo.py
+    torchrun --nproc-per-node=2 examples/p2p_demo.py --sizes 4K,1M,64M --iters 10 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_SIZES = "4K,64K,1M,16M,64M"
+UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+# Keeps the default run short on a small CPU box: fewer iterations for bigger messages.
+DEFAULT_BYTES_PER_SIZE = 256 << 20
+MAX_DEFAULT_ITERS = 20
+MIN_DEFAULT_ITERS = 4
+
+
+def parse_size(text: str) -> int:
+    """'64K' -> 65536. Sizes are in bytes, with optional K/M/G (powers of 1024)."""
+    text = text.strip().upper().removesuffix("IB").removesuffix("B")
+    number, unit = (text[:-1], text[-1]) if text[-1:] in UNITS else (text, "")
+    size = int(number) * UNITS[unit]
+    # The buffers hold int32, so the pattern can number every element.
+    if size <= 0 or size % 4:
+        raise argparse.ArgumentTypeError(f"size {text!r} must be a positive multiple of 4 bytes")
+    return size
+
+
+def format_size(size: int) -> str:
+    for unit in ("G", "M", "K"):
+        if size % UNITS[unit] == 0:
+            return f"{size // UNITS[unit]} {unit}iB"
+    return f"{size} B"
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--sizes",
+        type=lambda text: [parse_size(part) for part in text.split(",")],
+        default=DEFAULT_SIZES,
+        help=f"comma-separated message sizes, e.g. 4K,1M (default {DEFAULT_SIZES})",
+    )
+    parser.add_argument(
+        "--iters",
+        type=int,
+        help=f"timed iterations per size (default: {MAX_DEFAULT_ITERS}, fewer for big sizes)",
+    )
+    parser.add_argument("--warmup", type=int, default=3, help="untimed iterations per size")
+    parser.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON")
+    return parser.parse_args()
+
+
+def default_iters(size: int) -> int:
+    return max(MIN_DEFAULT_ITERS, min(MAX_DEFAULT_ITERS, DEFAULT_BYTES_PER_SIZE // size))
+
+
+def peer_of(rank: int, world: int) -> int | None:
+    """The rank this one exchanges with, or None for the odd one out."""
+    peer = rank ^ 1
+    return peer if peer < world else None
+
+
+def pattern(rank: int, world: int, elements: int, device: torch.device) -> torch.Tensor:
+    """A buffer that differs per sending rank and per position, to catch misplaced bytes."""
+    return torch.arange(elements, dtype=torch.int32, device=device).mul_(world).add_(rank)
+
+
+def synchronize(device: torch.device) -> None:
+    # CUDA ops return once queued; the clock must see them finished.
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def exchange(send: torch.Tensor, recv: torch.Tensor, peer: int, group) -> None:
+    ops = [
+        dist.P2POp(dist.isend, send, peer, group),
+        dist.P2POp(dist.irecv, recv, peer, group),
+    ]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+
+
+def time_exchanges(send, recv, peer, group, iters: int, warmup: int) -> float:
+    """Seconds per exchange, averaged over `iters` after `warmup` untimed ones."""
+    for _ in range(warmup):
+        exchange(send, recv, peer, group)
+    synchronize(send.device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        exchange(send, recv, peer, group)
+    synchronize(send.device)
+    return (time.perf_counter() - start) / iters
+
+
+def measure(group, size: int, iters: int, warmup: int, device: torch.device) -> tuple[float, str]:
+    """(this rank's seconds per exchange, error message or '') for one size on one group.
+
+    The idle rank of an odd world returns (0.0, '') so that it does not weigh in the max.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    peer = peer_of(rank, world)
+    # Pairs start together, so no pair's time includes waiting for another's previous size.
+    dist.barrier()
+    if peer is None:
+        return 0.0, ""
+    elements = size // 4
+    send = pattern(rank, world, elements, device)
+    recv = torch.zeros_like(send)
+    seconds = time_exchanges(send, recv, peer, group, iters, warmup)
+    # Every exchange writes the same bytes into `recv`, which started as zeros.
+    expected = pattern(peer, world, elements, device)
+    if torch.equal(recv, expected):
+        return seconds, ""
+    first_bad = int((recv != expected).nonzero()[0])
+    return seconds, (
+        f"rank {rank}: wrong data from rank {peer} over {dist.get_backend(group)}, "
+        f"{format_size(size)}: first bad int32 at index {first_bad}: "
+        f"got {int(recv[first_bad])}, expected {int(expected[first_bad])}"
+    )
+
+
+def slowest(seconds: float, failed: bool, device: torch.device) -> tuple[float, bool]:
+    """The max over all ranks of the time, and whether any rank saw wrong data."""
+    figures = torch.tensor([seconds, float(failed)], dtype=torch.float64, device=device)
+    dist.all_reduce(figures, op=dist.ReduceOp.MAX)
+    return figures[0].item(), bool(figures[1].item())
+
+
+def run_benchmark(groups: dict, args, device: torch.device) -> list[dict]:
+    """One row per size: microseconds and GB/s per backend. Exits 1 on wrong data."""
+    rows = []
+    for size in args.sizes:
+        iters = args.iters or default_iters(size)
+        row = {"bytes": size, "iters": iters}
+        for name, group in groups.items():
+            seconds, error = measure(group, size, iters, args.warmup, device)
+            if error:
+                print(f"p2p_demo: {error}", file=sys.stderr, flush=True)
+            seconds, failed = slowest(seconds, bool(error), device)
+            if failed:
+                fail(f"wrong data over {name} at {format_size(size)} (see the ranks' messages)")
+            row[name] = {"us": seconds * 1e6, "GBps": size / seconds / 1e9}
+        rows.append(row)
+    return rows
+
+
+def fail(message: str) -> None:
+    if dist.get_rank() == 0:
+        print(f"p2p_demo: FAILED: {message}", file=sys.stderr, flush=True)
+    dist.destroy_process_group()
+    sys.exit(1)
+
+
+def print_table(rows: list[dict], ref: str, header: str) -> None:
+    columns = ["size", "smfree µs", "smfree GB/s", f"{ref} µs", f"{ref} GB/s", "ratio"]
+    lines = [
+        [
+            format_size(row["bytes"]),
+            f"{row['smfree']['us']:.1f}",
+            f"{row['smfree']['GBps']:.3f}",
+            f"{row[ref]['us']:.1f}",
+            f"{row[ref]['GBps']:.3f}",
+            f"{row['smfree']['GBps'] / row[ref]['GBps']:.2f}",
+        ]
+        for row in rows
+    ]
+    widths = [
+        max(len(column), *(len(line[i]) for line in lines)) for i, column in enumerate(columns)
+    ]
+    print(header)
+    print(" | ".join(column.rjust(width) for column, width in zip(columns, widths)))
+    print("-+-".join("-" * width for width in widths))
+    for line in lines:
+        print(" | ".join(cell.rjust(width) for cell, width in zip(line, widths)))
+    print("ratio = smfree GB/s / " + ref + " GB/s; GB/s = bytes one way / time per exchange")
+
+
+def describe(device: torch.device, world: int) -> str:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    pairs = world // 2
+    idle = f", rank {world - 1} idle" if world % 2 else ""
+    return (
+        f"p2p_demo: device {name}, torch {torch.__version__}, world size {world} "
+        f"({pairs} pair{'s' if pairs != 1 else ''}{idle}); "
+        f"times are the max over all pairs (all_reduce MAX), bidirectional exchange"
+    )
+
+
+def setup() -> tuple[str, torch.device]:
+    """Starts the reference default group and returns (its backend name, the device)."""
+    if torch.cuda.is_available():
+        local_rank = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local_rank)
+        ref, device = "nccl", torch.device("cuda", local_rank)
+    else:
+        ref, device = "gloo", torch.device("cpu")
+    dist.init_process_group(backend=ref)
+    return ref, device
+
+
+def main() -> None:
+    args = parse_args()
+    ref, device = setup()
+    world = dist.get_world_size()
+    if world < 2:
+        fail("needs at least 2 ranks, e.g. torchrun --nproc-per-node=2")
+
+    import smfree_pg  # noqa: F401  (registers backend "smfree")
+
+    groups = {ref: dist.group.WORLD, "smfree": dist.new_group(list(range(world)), backend="smfree")}
+    rows = run_benchmark(groups, args, device)
+
+    if dist.get_rank() == 0:
+        header = describe(device, world)
+        print_table(rows, ref, header)
+        if args.json:
+            with open(args.json, "w") as out:
+                json.dump({"header": header, "reference": ref, "rows": rows}, out, indent=2)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

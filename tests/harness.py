@@ -1,0 +1,122 @@
+"""Runs a test function on N spawned ranks of a fresh process group, with a hard timeout.
+
+Each rank calls `fn(rank, world_size, *args)` after `init_process_group`; its return value
+comes back to the test. A rank that raises fails the test with its traceback; ranks that
+hang past `timeout` are killed and fail the test, so no test can hang CI.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+DEFAULT_TIMEOUT_S = 90
+
+
+@dataclass
+class RankResult:
+    rank: int
+    value: Any = None
+    error: str | None = None
+
+
+def _run_rank(fn, rank, world_size, init_file, backend, group_timeout_s, args, results):
+    os.environ.setdefault("SMFREE_LOG_LEVEL", "error")
+    import torch.distributed as dist
+
+    import smfree_pg  # noqa: F401  (registers the backend)
+
+    try:
+        dist.init_process_group(
+            backend,
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=group_timeout_s),
+        )
+        value = fn(rank, world_size, *args)
+        results.put(RankResult(rank, value=value))
+    except BaseException:  # noqa: BLE001 - everything goes back to the test
+        results.put(RankResult(rank, error=traceback.format_exc()))
+        return
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - a rank that killed a peer may fail to tear down
+        pass
+
+
+def run_ranks(
+    fn: Callable,
+    world_size: int,
+    *args,
+    backend: str = "smfree",
+    group_timeout_s: float = 30,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    expect_exit: tuple[int, ...] = (),
+) -> list:
+    """Values returned by `fn` on each rank, in rank order.
+
+    Ranks listed in `expect_exit` may end without a result (they kill themselves).
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(
+                target=_run_rank,
+                args=(fn, rank, world_size, init_file, backend, group_timeout_s, args, results),
+                daemon=True,
+            )
+            for rank in range(world_size)
+        ]
+        for proc in procs:
+            proc.start()
+        collected = _collect(results, procs, world_size, timeout, expect_exit)
+        for proc in procs:
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+    failures = [r for r in collected.values() if r.error]
+    if failures:
+        raise AssertionError(
+            "\n".join(f"--- rank {r.rank} failed:\n{r.error}" for r in sorted(failures, key=lambda r: r.rank))
+        )
+    return [collected[rank].value if rank in collected else None for rank in range(world_size)]
+
+
+def _collect(results, procs, world_size, timeout, expect_exit):
+    collected: dict[int, RankResult] = {}
+    expected = set(range(world_size)) - set(expect_exit)
+    deadline = _now() + timeout
+    while not expected.issubset(collected):
+        remaining = deadline - _now()
+        if remaining <= 0:
+            for proc in procs:
+                proc.kill()
+            missing = sorted(expected - set(collected))
+            raise AssertionError(f"ranks {missing} did not finish within {timeout} s (killed)")
+        try:
+            result = results.get(timeout=min(remaining, 1.0))
+            collected[result.rank] = result
+        except queue.Empty:
+            dead = [
+                rank for rank, proc in enumerate(procs)
+                if rank in expected and rank not in collected and proc.exitcode not in (None, 0)
+            ]
+            if dead:
+                raise AssertionError(f"ranks {dead} died (exit codes "
+                                     f"{[procs[r].exitcode for r in dead]}) without a result")
+    return collected
+
+
+def _now() -> float:
+    import time
+
+    return time.monotonic()

@@ -1,0 +1,91 @@
+"""Several groups at once, smfree subgroups under another default backend, many threads."""
+
+import threading
+
+import torch
+import torch.distributed as dist
+
+from harness import run_ranks
+
+
+def _two_groups_at_once(rank, world):
+    # Pairs (0,1) and (2,3) plus WORLD, all with tag 0 and in flight together:
+    # messages must stay in their group.
+    pair = dist.new_group([0, 1], backend="smfree")
+    other = dist.new_group([2, 3], backend="smfree")
+    mine = pair if rank < 2 else other
+    peer_in_pair = rank ^ 1
+    world_peer = (rank + 2) % world
+    got_pair = torch.empty(8)
+    got_world = torch.empty(8)
+    works = [
+        dist.isend(torch.full((8,), 100.0 + rank), peer_in_pair, group=mine),
+        dist.isend(torch.full((8,), 200.0 + rank), world_peer),
+        dist.irecv(got_world, world_peer),
+        dist.irecv(got_pair, peer_in_pair, group=mine),
+    ]
+    for work in works:
+        work.wait()
+    return got_pair[0].item(), got_world[0].item()
+
+
+def test_two_groups_used_at_once_keep_messages_apart():
+    results = run_ranks(_two_groups_at_once, 4)
+    for rank, (pair_value, world_value) in enumerate(results):
+        assert pair_value == 100.0 + (rank ^ 1)
+        assert world_value == 200.0 + (rank + 2) % 4
+
+
+def _pipeline_groups_only(rank, world):
+    # The default group stays on Gloo; only the pipeline group uses smfree.
+    assert dist.get_backend() == "gloo"
+    pp = dist.new_group(list(range(world)), backend="smfree")
+    assert dist.get_backend(pp) == "smfree"
+    nxt, prev = (rank + 1) % world, (rank - 1) % world
+    got = torch.empty(16)
+    ops = [dist.P2POp(dist.isend, torch.full((16,), float(rank)), nxt, group=pp),
+           dist.P2POp(dist.irecv, got, prev, group=pp)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    total = torch.ones(1)
+    dist.all_reduce(total, group=pp)
+    return got[0].item(), total.item()
+
+
+def test_smfree_pipeline_group_under_a_gloo_default_group():
+    world = 3
+    results = run_ranks(_pipeline_groups_only, world, backend="gloo")
+    assert results == [(float((r - 1) % world), float(world)) for r in range(world)]
+
+
+def _many_threads_many_groups(rank, world, threads, rounds):
+    groups = [dist.new_group([0, 1], backend="smfree") for _ in range(threads)]
+    peer = 1 - rank
+    failures = []
+
+    def exchange(index):
+        group = groups[index]
+        try:
+            for step in range(rounds):
+                got = torch.empty(64, dtype=torch.int64)
+                value = 1000 * index + step
+                send = dist.isend(torch.full((64,), value + rank, dtype=torch.int64), peer,
+                                  group=group)
+                recv = dist.irecv(got, peer, group=group)
+                send.wait()
+                recv.wait()
+                if not torch.all(got == value + peer):
+                    failures.append((index, step, got[0].item()))
+        except Exception as error:  # noqa: BLE001 - reported to the test below
+            failures.append((index, repr(error)))
+
+    workers = [threading.Thread(target=exchange, args=(i,)) for i in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    return failures
+
+
+def test_many_threads_on_many_groups():
+    assert run_ranks(_many_threads_many_groups, 2, 6, 50) == [[], []]
