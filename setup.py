@@ -1,4 +1,8 @@
-"""Builds smfree_pg._C against the installed torch and a UCX (the libucx-cu13 wheel, or UCX_HOME)."""
+"""Builds smfree_pg._C against the installed torch and a UCX (the libucx-cu13 wheel, or UCX_HOME).
+
+The CUDA code paths are always compiled (they need only cuda.h); the driver is loaded at run
+time, so the same build runs on machines without a GPU.
+"""
 
 import glob
 import os
@@ -24,6 +28,16 @@ def ucx_location():
     return os.path.join(root, "include"), os.path.join(root, "lib")
 
 
+def cuda_include():
+    """cuda.h, for the driver API smfree loads at run time (nothing links against CUDA)."""
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    for home in (os.environ.get("CUDA_HOME"), CUDA_HOME, "/usr/local/cuda"):
+        if home and os.path.exists(os.path.join(home, "include", "cuda.h")):
+            return os.path.join(home, "include")
+    raise SystemExit("smfree needs the CUDA headers (cuda.h): install the CUDA toolkit or set CUDA_HOME")
+
+
 def sources():
     return sorted(
         os.path.relpath(path, ROOT)
@@ -36,7 +50,7 @@ ucx_include, ucx_lib = ucx_location()
 extension = CppExtension(
     name="smfree_pg._C",
     sources=sources(),
-    include_dirs=[os.path.join(ROOT, "csrc"), ucx_include],
+    include_dirs=[os.path.join(ROOT, "csrc"), ucx_include, cuda_include()],
     library_dirs=[ucx_lib],
     libraries=["ucp", "ucs"],
     extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter"],

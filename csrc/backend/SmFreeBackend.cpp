@@ -1,5 +1,7 @@
 #include "backend/SmFreeBackend.h"
 
+#include <c10/core/Stream.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 
 #include "backend/StoreAdapter.h"
@@ -81,6 +83,10 @@ c10::intrusive_ptr<c10d::Work> SmFreeBackend::pointToPoint(engine::OpKind kind,
     C10_THROW_ERROR(DistBackendError, error.what());
   }
 
+  const bool onCuda = tensor.device().is_cuda();
+  if (onCuda) {
+    bindDevice(tensor, op);
+  }
   const bool isSend = kind == engine::OpKind::kSend;
   auto work = c10::make_intrusive<SmFreeWork>(
       isSend ? c10d::OpType::SEND : (peer == engine::kAnySource ? c10d::OpType::RECVANYSOURCE
@@ -105,7 +111,14 @@ c10::intrusive_ptr<c10d::Work> SmFreeBackend::pointToPoint(engine::OpKind kind,
   request.peer = peer;
   request.tag = tag;
   request.buffer = engine::Buffer{tensor.data_ptr(), static_cast<uint64_t>(tensor.nbytes()),
-                                  engine::MemoryKind::kHost, -1};
+                                  onCuda ? engine::MemoryKind::kCuda : engine::MemoryKind::kHost,
+                                  onCuda ? tensor.device().index() : -1};
+  if (onCuda) {
+    // Stream order, as with NCCL: the op reads or writes after the work queued so far.
+    request.stream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)
+                         ->getStream(tensor.device())
+                         .native_handle();
+  }
   request.desc = describeTensor(tensor);
   request.keepalive = std::make_shared<at::Tensor>(tensor);
   request.onComplete = [work, batch](const engine::Status& status, int source) {
@@ -113,11 +126,26 @@ c10::intrusive_ptr<c10d::Work> SmFreeBackend::pointToPoint(engine::OpKind kind,
     if (batch) batch->onOpDone(status, source);
   };
   try {
-    group_->post(std::move(request));
+    if (auto done = group_->post(std::move(request))) {
+      const int device = tensor.device().index();
+      work->addStreamFence(group_, device, *done);
+      if (batch) batch->addStreamFence(group_, device, *done);
+    }
   } catch (const engine::Error& error) {
     C10_THROW_ERROR(DistBackendError, error.what());
   }
   return work;
+}
+
+void SmFreeBackend::bindDevice(const at::Tensor& tensor, const char* op) {
+  const int device = tensor.device().index();
+  int bound = -1;
+  if (device_.compare_exchange_strong(bound, device)) {
+    return;
+  }
+  TORCH_CHECK_VALUE(bound == device, "smfree: ", op, " of a tensor on cuda:", device,
+                    ", but this rank uses cuda:", bound, " in group '", group_->config().name,
+                    "'; one group uses one device per rank");
 }
 
 void SmFreeBackend::startCoalescing() {

@@ -98,6 +98,7 @@ class SmFreeBackend final : public c10d::Backend {
   c10d::Backend& inner(c10::DeviceType deviceType);
   c10d::Backend& innerFor(const std::vector<at::Tensor>& tensors);
   void stop(const char* state, bool abortInner);
+  void bindDevice(const at::Tensor& tensor, const char* op);
 
   std::shared_ptr<engine::Group> group_;
   std::chrono::milliseconds timeout_;
@@ -110,6 +111,7 @@ class SmFreeBackend final : public c10d::Backend {
   c10::intrusive_ptr<SmFreeWork> batch_;  // set between startCoalescing and endCoalescing
 
   std::atomic<const char*> stopped_{nullptr};  // "aborted" or "shut down" once stopped
+  std::atomic<int> device_{-1};  // the CUDA device this rank uses in the group, once known
 };
 
 }  // namespace smfree

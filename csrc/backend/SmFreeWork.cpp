@@ -1,8 +1,11 @@
 #include "backend/SmFreeWork.h"
 
+#include <c10/core/Stream.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 
 #include "backend/Errors.h"
+#include "engine/Error.h"
 
 namespace smfree {
 
@@ -17,6 +20,12 @@ void SmFreeWork::expectOp() {
   std::lock_guard<std::mutex> lock(stateMutex_);
   TORCH_INTERNAL_ASSERT(!sealed_, "smfree: op added to a sealed Work");
   ++pending_;
+}
+
+void SmFreeWork::addStreamFence(std::shared_ptr<engine::Group> group, int device,
+                                engine::cuda::Flag done) {
+  std::lock_guard<std::mutex> lock(stateMutex_);
+  fences_.push_back(StreamFence{std::move(group), device, done});
 }
 
 void SmFreeWork::seal() {
@@ -78,6 +87,36 @@ int SmFreeWork::sourceRank() const {
 std::vector<at::Tensor> SmFreeWork::result() { return tensors_; }
 
 bool SmFreeWork::wait(std::chrono::milliseconds timeout) {
+  std::vector<StreamFence> fences;
+  {
+    std::lock_guard<std::mutex> lock(stateMutex_);
+    fences = fences_;
+  }
+  // As with NCCL: CUDA work makes the current stream wait and leaves the CPU free, unless a
+  // timeout asks for the CPU to wait too.
+  if (fences.empty() || timeout != kNoTimeout) {
+    waitFinished(timeout);
+  }
+  {
+    std::lock_guard<std::mutex> lock(stateMutex_);
+    if (error_) {
+      std::rethrow_exception(error_);
+    }
+  }
+  for (const StreamFence& fence : fences) {
+    const c10::Device device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(fence.device));
+    const c10::Stream current =
+        c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(device);
+    try {
+      fence.group->waitOnStream(current.native_handle(), fence.device, fence.done);
+    } catch (const engine::Error& error) {
+      C10_THROW_ERROR(DistBackendError, error.what());
+    }
+  }
+  return true;
+}
+
+void SmFreeWork::waitFinished(std::chrono::milliseconds timeout) {
   std::unique_lock<std::mutex> lock(stateMutex_);
   if (timeout == kNoTimeout) {
     // Ops carry the group timeout, so this wait ends.
@@ -86,13 +125,15 @@ bool SmFreeWork::wait(std::chrono::milliseconds timeout) {
     throwTimeout(c10::str("smfree: wait(timeout=", timeout.count(), " ms) expired; ", what_,
                           " is still pending"));
   }
+}
+
+void SmFreeWork::synchronize() {
+  waitFinished(kNoTimeout);
+  std::lock_guard<std::mutex> lock(stateMutex_);
   if (error_) {
     std::rethrow_exception(error_);
   }
-  return true;
 }
-
-void SmFreeWork::synchronize() { wait(); }
 
 c10::intrusive_ptr<c10::ivalue::Future> SmFreeWork::getFuture() { return future_; }
 

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/Engine.h"
 #include "engine/Status.h"
 
 namespace smfree {
@@ -19,6 +20,8 @@ class SmFreeWork final : public c10d::Work {
   SmFreeWork(c10d::OpType type, std::string what, std::vector<at::Tensor> tensors);
 
   void expectOp();  // one more op will report
+  // A CUDA op: wait() makes the current stream wait for `done` instead of blocking the CPU.
+  void addStreamFence(std::shared_ptr<engine::Group> group, int device, engine::cuda::Flag done);
   void seal();      // no more ops will be added
   void onOpDone(const engine::Status& status, int source);
 
@@ -33,6 +36,13 @@ class SmFreeWork final : public c10d::Work {
 
  private:
   void completeIfDone(std::unique_lock<std::mutex>& lock);
+  void waitFinished(std::chrono::milliseconds timeout);
+
+  struct StreamFence {
+    std::shared_ptr<engine::Group> group;
+    int device;
+    engine::cuda::Flag done;
+  };
 
   const std::string what_;  // for error messages: "send to rank 1 (tag 0)"
   const std::vector<at::Tensor> tensors_;
@@ -45,6 +55,7 @@ class SmFreeWork final : public c10d::Work {
   bool finished_ = false;
   std::exception_ptr error_;
   int source_ = -1;
+  std::vector<StreamFence> fences_;
 };
 
 }  // namespace smfree

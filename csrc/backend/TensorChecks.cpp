@@ -14,8 +14,9 @@ at::Tensor& checkP2PTensor(std::vector<at::Tensor>& tensors, const char* op) {
   TORCH_CHECK_VALUE(tensor.is_contiguous(), "smfree: ", op,
                     " needs a contiguous tensor (got sizes ", tensor.sizes(), ", strides ",
                     tensor.strides(), "); call .contiguous() first");
-  TORCH_CHECK_VALUE(tensor.device().is_cpu(), "smfree: ", op, " of a ", tensor.device().type(),
-                    " tensor is not supported: this smfree moves CPU tensors only");
+  TORCH_CHECK_VALUE(tensor.device().is_cpu() || tensor.device().is_cuda(), "smfree: ", op,
+                    " of a ", tensor.device().type(),
+                    " tensor is not supported: smfree moves CPU and CUDA tensors");
   return tensor;
 }
 
@@ -56,6 +57,7 @@ engine::TensorDesc describeTensor(const at::Tensor& tensor) {
   desc.bytes = tensor.nbytes();
   desc.dtype = dtypeName(tensor.scalar_type());
   desc.shape.assign(tensor.sizes().begin(), tensor.sizes().end());
+  desc.device = tensor.device().is_cuda() ? "cuda" : "cpu";
   return desc;
 }
 

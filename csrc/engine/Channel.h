@@ -20,12 +20,17 @@ class Channel {
   virtual ~Channel() = default;
   virtual const char* name() const = 0;
   // Receiver: get ready for the bytes; returns what the sender's side needs to deliver them.
-  virtual std::string armRecv(const std::shared_ptr<Op>& recv, const Peer& source) = 0;
+  virtual std::string armRecv(const std::shared_ptr<Op>& recv, Peer& source) = 0;
   // Sender: deliver the bytes, given what armRecv returned on the receiver.
   virtual void startSend(const std::shared_ptr<Op>& send, Peer& destination,
                          const std::string& channelData) = 0;
   // Stop an op's transfer early; its Done still follows.
   virtual void cancel(Op& op) = 0;
+  // Channels that watch memory rather than wait for events are driven from the progress loop.
+  virtual bool progress() { return false; }
+  virtual bool busy() const { return false; }
+  // The peer is gone: nothing it was going to do for this channel will happen.
+  virtual void peerFailed(Peer& peer) {}
 };
 
 }  // namespace smfree::engine

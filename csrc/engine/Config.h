@@ -1,6 +1,7 @@
 #pragma once
 
 #include <chrono>
+#include <cstddef>
 
 namespace smfree::engine {
 
@@ -13,6 +14,8 @@ struct Config {
   std::chrono::microseconds spin;
   // UCX keepalive interval, so a dead peer fails pending ops quickly; UCX_KEEPALIVE_INTERVAL wins.
   std::chrono::milliseconds peerCheck;
+  // Most CUDA IPC mappings of peers' buffers kept open at once.
+  size_t ipcCacheSize;
 
   static Config fromEnv();
 };

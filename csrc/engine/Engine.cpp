@@ -9,7 +9,9 @@
 #include "engine/Channel.h"
 #include "engine/Error.h"
 #include "engine/Log.h"
+#include "engine/channels/cuda_ipc/CopyEngineChannel.h"
 #include "engine/channels/ucx/UcxChannel.h"
+#include "engine/cuda/CudaDriver.h"
 #include "engine/transports/ucx/UcxControl.h"
 #include "engine/transports/ucx/UcxWorker.h"
 
@@ -18,6 +20,8 @@ namespace {
 
 constexpr auto kExpiryScanInterval = std::chrono::milliseconds(20);
 constexpr int kSleepMs = 50;  // longest sleep, so expiry is noticed promptly while idle
+// While copies are pending the thread watches memory, which wakes no fd: it naps this long.
+constexpr timespec kMemoryWatchNap{0, 20'000};
 
 std::mutex processEngineMutex;
 std::weak_ptr<Engine> processEngine;
@@ -27,6 +31,11 @@ int64_t millisSince(Clock::time_point then, Clock::time_point now) {
 }
 
 std::string peerKey(int rank) { return concat("smfree/peer/", rank); }
+
+std::string crossHostCuda(const Op& op, const Peer& peer) {
+  return concat(op.describe(), " failed: rank ", op.partner(), " (", peer.describe(),
+                ") is on another host, and smfree does not move CUDA tensors between hosts yet");
+}
 
 std::string mismatchMessage(const GroupConfig& group, const ReadyToSend& send, const Op& recv) {
   return concat("size or dtype mismatch in group '", group.name, "', tag ", send.tag, ": rank ",
@@ -62,11 +71,16 @@ void Engine::stopProcessEngine() {
 Engine::Engine(Private)
     : config_(Config::fromEnv()),
       worker_(std::make_unique<UcxWorker>(config_)),
-      local_(PeerAddress::local(worker_->address())) {
+      flags_(std::make_unique<cuda::FlagSegment>()),
+      local_(PeerAddress::local(worker_->address(), flags_->path())) {
   control_ = std::make_unique<UcxControl>(
       *worker_, [this](const void* data, size_t length) { onControlMessage(data, length); });
   ucxChannel_ = std::make_unique<UcxChannel>(
       *worker_, [this](const std::shared_ptr<Op>& op, const Status& status) {
+        onTransferDone(op, status);
+      });
+  copyEngine_ = std::make_unique<CopyEngineChannel>(
+      *flags_, config_.ipcCacheSize, [this](const std::shared_ptr<Op>& op, const Status& status) {
         onTransferDone(op, status);
       });
   progress_ = std::thread([this] { run(); });
@@ -84,6 +98,7 @@ Engine::~Engine() {
   groups_.clear();
   peers_.clear();
   ucxChannel_.reset();
+  copyEngine_.reset();
   control_.reset();
 }
 
@@ -162,7 +177,7 @@ void Engine::run() {
   auto lastActivity = Clock::now();
   auto lastScan = lastActivity;
   while (runCommands()) {
-    bool active = false;
+    bool active = copyEngine_->progress();
     while (worker_->progress() != 0) {
       active = true;
     }
@@ -172,6 +187,7 @@ void Engine::run() {
     }
     if (now - lastScan >= kExpiryScanInterval) {
       checkPeers();
+      recycleFlags();
       expireOps(now);
       lastScan = now;
     }
@@ -191,6 +207,10 @@ void Engine::run() {
 void Engine::sleep() {
   // Submitters signal the worker, which fires its armed event fd; a same-host peer's exit
   // fires its pidfd.
+  if (copyEngine_->busy()) {
+    nanosleep(&kMemoryWatchNap, nullptr);
+    return;
+  }
   std::vector<pollfd> events{{worker_->eventFd(), POLLIN, 0}};
   for (const auto& [key, peer] : peers_) {
     if (peer->watch && peer->watch->fd() >= 0 && !peer->failed) {
@@ -349,6 +369,10 @@ void Engine::startOp(const std::shared_ptr<Op>& op) {
                                           peer ? peer->failure : "the peer is not connected")));
       return;
     }
+    if (op->cuda && !peer->sameHost) {
+      complete(op, Status::failure(StatusCode::kTransport, crossHostCuda(*op, *peer)));
+      return;
+    }
     if (op->isSend()) {
       op->seq = group->sendSeq[{op->request.peer, op->request.tag}]++;
       sendControl(*peer, ReadyToSend{op->groupId, group->config->rank, op->request.tag, op->seq,
@@ -409,6 +433,13 @@ void Engine::onMatched(GroupState& group, Matcher::Match& match) {
   recv->source = rts.source;
   recv->seq = rts.seq;
   recv->remoteId = rts.sendId;
+  if (recv->cuda && !sender->sameHost && rts.desc.compatibleWith(recv->request.desc)) {
+    const std::string why = crossHostCuda(*recv, *sender);
+    complete(recv, Status::failure(StatusCode::kTransport, why));
+    sendControl(*sender, Refusal{group.id, group.config->rank, rts.sendId,
+                                 StatusCode::kTransport, why});
+    return;
+  }
   if (match.announcement.cancelled) {
     complete(recv, Status::failure(StatusCode::kTimeout,
                                    concat(recv->describe(), " failed: the matching send gave up: ",
@@ -470,7 +501,11 @@ void Engine::onClearToSend(const ClearToSend& message) {
     return;
   }
   send->phase = Op::Phase::kMoving;
-  channelFor(*send).startSend(send, *receiver, message.channelData);
+  try {
+    channelFor(*send).startSend(send, *receiver, message.channelData);
+  } catch (const Error& error) {
+    complete(send, Status::failure(StatusCode::kTransport, error.what()));
+  }
 }
 
 void Engine::onRefusal(const Refusal& message) {
@@ -523,6 +558,7 @@ void Engine::onPeerFailure(const std::string& processKey, const std::string& why
     complete(op, Status::failure(StatusCode::kPeerFailure,
                                  concat(op->describe(), " failed: ", peer.failure)));
   }
+  copyEngine_->peerFailed(peer);
 }
 
 void Engine::expireOps(Clock::time_point now) {
@@ -567,6 +603,9 @@ void Engine::complete(const std::shared_ptr<Op>& op, const Status& status) {
     return;
   }
   op->phase = Op::Phase::kDone;
+  if (op->cuda && !status.ok()) {
+    flags_->set(op->cuda->done);  // no user stream stays parked on a failed op
+  }
   OpCallback callback = std::move(op->request.onComplete);
   op->request.onComplete = nullptr;
   if (callback) {
@@ -580,10 +619,59 @@ void Engine::complete(const std::shared_ptr<Op>& op, const Status& status) {
 }
 
 void Engine::release(const std::shared_ptr<Op>& op) {
-  if (op->finished() && op->outstanding == 0) {
-    op->request.keepalive.reset();
-    live_.erase(op->id);
+  if (!op->finished() || op->outstanding != 0 || op->released) {
+    return;
   }
+  op->released = true;
+  op->request.keepalive.reset();
+  if (op->cuda) {
+    // No copy can touch `done` or `moved` any more; `ready` waits for its own stream.
+    flags_->release(op->cuda->done);
+    flags_->release(op->cuda->moved);
+    if (flags_->isSet(op->cuda->ready)) {
+      flags_->release(op->cuda->ready);
+    } else {
+      unreachedReadyFlags_.push_back(op->cuda->ready);
+    }
+  }
+  live_.erase(op->id);
+}
+
+void Engine::recycleFlags() {
+  auto unreached = std::partition(unreachedReadyFlags_.begin(), unreachedReadyFlags_.end(),
+                                  [this](const cuda::Flag& flag) { return !flags_->isSet(flag); });
+  for (auto it = unreached; it != unreachedReadyFlags_.end(); ++it) flags_->release(*it);
+  unreachedReadyFlags_.erase(unreached, unreachedReadyFlags_.end());
+}
+
+cuda::Flag Engine::prepareCuda(Op& op) {
+  CudaOpState state;
+  state.stream = op.request.stream;
+  state.ready = flags_->acquire();
+  state.done = flags_->acquire();
+  state.moved = flags_->acquire();
+  try {
+    cuda::ContextGuard context(op.request.buffer.device);
+    cuda::check(cuda::driver().cuStreamWriteValue32(
+                    static_cast<CUstream>(state.stream),
+                    reinterpret_cast<CUdeviceptr>(flags_->cudaAddress(state.ready.index)),
+                    state.ready.value, CU_STREAM_WRITE_VALUE_DEFAULT),
+                "cuStreamWriteValue32 (ready)");
+  } catch (...) {
+    for (const auto& flag : {state.ready, state.done, state.moved}) flags_->release(flag);
+    throw;
+  }
+  op.cuda = state;
+  return state.done;
+}
+
+void Engine::waitOnStream(void* stream, int device, const cuda::Flag& flag) {
+  cuda::ContextGuard context(device);
+  cuda::check(cuda::driver().cuStreamWaitValue32(
+                  static_cast<CUstream>(stream),
+                  reinterpret_cast<CUdeviceptr>(flags_->cudaAddress(flag.index)), flag.value,
+                  CU_STREAM_WAIT_VALUE_GEQ),
+              "cuStreamWaitValue32 (done)");
 }
 
 void Engine::sendControl(Peer& peer, const ControlMessage& message) {
@@ -615,7 +703,10 @@ Peer* Engine::partnerOf(const Op& op) {
   return group->peers[rank];
 }
 
-Channel& Engine::channelFor(const Op&) { return *ucxChannel_; }
+Channel& Engine::channelFor(const Op& op) {
+  if (op.cuda) return *copyEngine_;
+  return *ucxChannel_;
+}
 
 // ---------------------------------------------------------------- Group
 
@@ -661,7 +752,7 @@ void Group::connectAll() {
   }
 }
 
-void Group::post(OpRequest request) {
+std::optional<cuda::Flag> Group::post(OpRequest request) {
   if (closed_) {
     fail("group '", config_->name, "' is closed");
   }
@@ -670,10 +761,19 @@ void Group::post(OpRequest request) {
   op->request = std::move(request);
   op->groupId = id_;
   op->config = config_;
+  std::optional<cuda::Flag> done;
+  if (op->request.buffer.memory == MemoryKind::kCuda) {
+    done = engine_->prepareCuda(*op);
+  }
   op->posted = Clock::now();
   op->deadline = op->posted + timeout();
   Engine* engine = engine_.get();
   engine_->submit([engine, op] { engine->startOp(op); });
+  return done;
+}
+
+void Group::waitOnStream(void* stream, int device, const cuda::Flag& flag) {
+  engine_->waitOnStream(stream, device, flag);
 }
 
 void Group::close(StatusCode code, const std::string& reason) {

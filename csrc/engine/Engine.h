@@ -23,6 +23,7 @@
 namespace smfree::engine {
 
 class Channel;
+class CopyEngineChannel;
 class Group;
 class UcxControl;
 class UcxWorker;
@@ -62,6 +63,9 @@ class Engine : public std::enable_shared_from_this<Engine> {
   void stop();
   std::optional<std::string> failureOf(const std::string& processKey);
   uint64_t nextOpId() { return nextOpId_.fetch_add(1); }
+  // On the caller's thread: flags for a CUDA op, and its stream's `ready` write.
+  cuda::Flag prepareCuda(Op& op);
+  void waitOnStream(void* stream, int device, const cuda::Flag& flag);
 
   // Progress thread.
   void run();
@@ -81,6 +85,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   void onTransferDone(const std::shared_ptr<Op>& op, const Status& status);
   void onPeerFailure(const std::string& processKey, const std::string& why);
   void checkPeers();
+  void recycleFlags();
   bool referencedByOpenGroup(const Peer& peer) const;
   void sleep();
   void expireOps(Clock::time_point now);
@@ -95,9 +100,11 @@ class Engine : public std::enable_shared_from_this<Engine> {
 
   const Config config_;
   std::unique_ptr<UcxWorker> worker_;
+  std::unique_ptr<cuda::FlagSegment> flags_;
   PeerAddress local_;
   std::unique_ptr<UcxControl> control_;
   std::unique_ptr<Channel> ucxChannel_;
+  std::unique_ptr<CopyEngineChannel> copyEngine_;
 
   std::mutex commandsMutex_;
   std::deque<std::function<void()>> commands_;
@@ -113,6 +120,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::unordered_map<std::string, std::unique_ptr<Peer>> peers_;
   std::unordered_map<uint64_t, std::shared_ptr<Op>> live_;
   std::unordered_map<uint64_t, std::vector<ReadyToSend>> orphans_;  // for groups not joined yet
+  std::vector<cuda::Flag> unreachedReadyFlags_;  // freed once their stream has written them
 };
 
 // A member's handle on one group: thread-safe, used by the c10d backend.
@@ -131,8 +139,10 @@ class Group {
   // Makes sure the endpoint to `rank` exists (first use: a store lookup). Throws on failure.
   void connect(int rank);
   void connectAll();
-  // Never blocks on the transfer; `request.onComplete` reports the outcome.
-  void post(OpRequest request);
+  // Never blocks on the transfer; `request.onComplete` reports the outcome. For a CUDA buffer
+  // it returns the flag that streams wait on (waitOnStream) to see the op done.
+  std::optional<cuda::Flag> post(OpRequest request);
+  void waitOnStream(void* stream, int device, const cuda::Flag& flag);
   // Fails every pending op with `reason` and refuses new ones; returns once that is done.
   void close(StatusCode code, const std::string& reason);
   // Why `rank`'s process is known dead, if it is.

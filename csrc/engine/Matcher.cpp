@@ -54,7 +54,9 @@ std::vector<Matcher::Match> Matcher::announce(ReadyToSend rts) {
 
 std::optional<Matcher::Match> Matcher::release(Stream& stream, ReadyToSend rts) {
   ++stream.nextSeq;
-  Announcement announcement{std::move(rts), arrivals_++};
+  Announcement announcement;
+  announcement.rts = std::move(rts);
+  announcement.arrival = arrivals_++;
   auto any = anySource_.find(announcement.rts.tag);
   const bool haveSpecific = !stream.posted.empty();
   const bool haveAny = any != anySource_.end() && !any->second.empty();

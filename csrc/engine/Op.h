@@ -4,8 +4,10 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 
+#include "engine/CudaOp.h"
 #include "engine/Status.h"
 #include "engine/TensorDesc.h"
 
@@ -37,6 +39,7 @@ struct OpRequest {
   TensorDesc desc;
   std::shared_ptr<void> keepalive;  // the caller's tensor, held until no transport touches it
   OpCallback onComplete;
+  void* stream = nullptr;  // CUDA buffers: the caller's current stream (CUstream)
 };
 
 struct GroupConfig;
@@ -61,7 +64,9 @@ struct Op {
   int source = -1;         // recv: the rank it was matched with
   uint64_t remoteId = 0;   // id of the partner op on the peer, once known
   int outstanding = 0;     // transport requests that still reference the buffer
+  bool released = false;
   void* transportRequest = nullptr;
+  std::optional<CudaOpState> cuda;
 
   bool isSend() const { return request.kind == OpKind::kSend; }
   bool finished() const { return phase == Phase::kDone; }

@@ -61,6 +61,7 @@ std::vector<uint8_t> PeerAddress::encode() const {
   putString(out, hostKey);
   putString(out, hostname);
   putString(out, std::to_string(pid));
+  putString(out, flagSegment);
   putString(out, std::string(workerAddress.begin(), workerAddress.end()));
   return out;
 }
@@ -72,12 +73,13 @@ PeerAddress PeerAddress::decode(const std::vector<uint8_t>& bytes) {
   address.hostKey = getString(bytes, offset);
   address.hostname = getString(bytes, offset);
   address.pid = std::stoi(getString(bytes, offset));
+  address.flagSegment = getString(bytes, offset);
   const std::string worker = getString(bytes, offset);
   address.workerAddress.assign(worker.begin(), worker.end());
   return address;
 }
 
-PeerAddress PeerAddress::local(std::vector<uint8_t> workerAddress) {
+PeerAddress PeerAddress::local(std::vector<uint8_t> workerAddress, std::string flagSegment) {
   PeerAddress address;
   address.hostKey = localHostKey();
   address.hostname = localHostname();
@@ -85,6 +87,7 @@ PeerAddress PeerAddress::local(std::vector<uint8_t> workerAddress) {
   std::random_device random;
   address.processKey = concat(address.hostKey, "/", address.pid, "/", random(), random());
   address.workerAddress = std::move(workerAddress);
+  address.flagSegment = std::move(flagSegment);
   return address;
 }
 

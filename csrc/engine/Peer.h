@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "engine/ProcessWatch.h"
+#include "engine/cuda/FlagSegment.h"
 #include "engine/transports/ucx/UcxEndpoint.h"
 
 namespace smfree::engine {
@@ -15,11 +16,12 @@ struct PeerAddress {
   std::string hostKey;     // equal for processes that share a kernel and PID namespace
   std::string hostname;
   int pid = 0;
+  std::string flagSegment;  // where same-host peers map this process's CUDA flags
   std::vector<uint8_t> workerAddress;
 
   std::vector<uint8_t> encode() const;
   static PeerAddress decode(const std::vector<uint8_t>& bytes);
-  static PeerAddress local(std::vector<uint8_t> workerAddress);
+  static PeerAddress local(std::vector<uint8_t> workerAddress, std::string flagSegment);
 };
 
 // A remote process, shared by every group that reaches it.
@@ -28,6 +30,7 @@ struct Peer {
   bool sameHost = false;
   std::unique_ptr<ProcessWatch> watch;  // same-host peers: UCX cannot notice their death
   std::unique_ptr<UcxEndpoint> endpoint;  // null once a failed same-host peer was closed
+  std::unique_ptr<cuda::RemoteFlagSegment> flags;  // mapped on the first CUDA transfer
   bool failed = false;
   std::string failure;
 

@@ -13,6 +13,7 @@ std::string TensorDesc::describe() const {
     out << (i ? ", " : "") << shape[i];
   }
   out << "] (" << bytes << " B)";
+  if (!device.empty() && device != "cpu") out << " on " << device;
   return out.str();
 }
 

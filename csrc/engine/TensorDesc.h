@@ -11,13 +11,14 @@ namespace smfree::engine {
 struct TensorDesc {
   uint64_t bytes = 0;
   std::string dtype;
+  std::string device;  // "cpu" or "cuda"
   std::vector<int64_t> shape;
 
-  // Shapes may differ (a flat recv of a 2-D send is fine); bytes and dtype may not.
+  // Shapes may differ (a flat recv of a 2-D send is fine); bytes, dtype and device type may not.
   bool compatibleWith(const TensorDesc& other) const {
-    return bytes == other.bytes && dtype == other.dtype;
+    return bytes == other.bytes && dtype == other.dtype && device == other.device;
   }
-  std::string describe() const;  // e.g. "float32[4, 8] (128 B)"
+  std::string describe() const;  // e.g. "float32[4, 8] (128 B)", with " on cuda" for GPU buffers
 };
 
 }  // namespace smfree::engine

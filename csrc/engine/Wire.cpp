@@ -25,6 +25,7 @@ class Writer {
   void put(const TensorDesc& desc) {
     put(desc.bytes);
     put(desc.dtype);
+    put(desc.device);
     put<uint32_t>(static_cast<uint32_t>(desc.shape.size()));
     for (int64_t dim : desc.shape) put(dim);
   }
@@ -59,6 +60,7 @@ class Reader {
     TensorDesc desc;
     desc.bytes = get<uint64_t>();
     desc.dtype = getString();
+    desc.device = getString();
     const auto dims = get<uint32_t>();
     need(static_cast<size_t>(dims) * sizeof(int64_t));
     for (uint32_t i = 0; i < dims; ++i) desc.shape.push_back(get<int64_t>());

@@ -39,7 +39,7 @@ ucp_request_param_t UcxChannel::requestParams(Transfer& transfer) const {
   return params;
 }
 
-std::string UcxChannel::armRecv(const std::shared_ptr<Op>& recv, const Peer&) {
+std::string UcxChannel::armRecv(const std::shared_ptr<Op>& recv, Peer&) {
   auto transfer = std::make_unique<Transfer>(Transfer{this, recv});
   ucp_request_param_t params = requestParams(*transfer);
   params.cb.recv = &UcxChannel::onReceived;

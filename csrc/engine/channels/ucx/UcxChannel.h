@@ -13,7 +13,7 @@ class UcxChannel final : public Channel {
   UcxChannel(UcxWorker& worker, Done onDone);
 
   const char* name() const override { return "ucx"; }
-  std::string armRecv(const std::shared_ptr<Op>& recv, const Peer& source) override;
+  std::string armRecv(const std::shared_ptr<Op>& recv, Peer& source) override;
   void startSend(const std::shared_ptr<Op>& send, Peer& destination,
                  const std::string& channelData) override;
   void cancel(Op& op) override;

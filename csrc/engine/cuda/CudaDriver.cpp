@@ -1,0 +1,94 @@
+#include "engine/cuda/CudaDriver.h"
+
+#include <dlfcn.h>
+
+#include <mutex>
+#include <vector>
+
+#include "engine/Error.h"
+
+namespace smfree::engine::cuda {
+namespace {
+
+template <typename Fn>
+void resolve(decltype(&::cuGetProcAddress) getProcAddress, const char* name, Fn& fn) {
+  void* address = nullptr;
+  CUdriverProcAddressQueryResult status{};
+  const CUresult result =
+      getProcAddress(name, &address, CUDA_VERSION, CU_GET_PROC_ADDRESS_DEFAULT, &status);
+  if (result != CUDA_SUCCESS || status != CU_GET_PROC_ADDRESS_SUCCESS || !address) {
+    fail("the CUDA driver has no ", name, " (driver older than CUDA ", CUDA_VERSION / 1000, "?)");
+  }
+  fn = reinterpret_cast<Fn>(address);
+}
+
+Driver load() {
+  void* library = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (!library) {
+    fail("cannot load the CUDA driver (libcuda.so.1): ", dlerror());
+  }
+  auto getProcAddress =
+      reinterpret_cast<decltype(&::cuGetProcAddress)>(dlsym(library, "cuGetProcAddress_v2"));
+  if (!getProcAddress) {
+    fail("the CUDA driver has no cuGetProcAddress_v2");
+  }
+  Driver d;
+#define SMFREE_RESOLVE(name) resolve(getProcAddress, #name, d.name);
+  SMFREE_CUDA_FUNCTIONS(SMFREE_RESOLVE)
+#undef SMFREE_RESOLVE
+  check(d.cuInit(0), "cuInit");
+  return d;
+}
+
+std::vector<CUcontext>& primaryContexts() {
+  static std::vector<CUcontext> contexts;
+  return contexts;
+}
+
+CUcontext primaryContext(int device) {
+  static std::mutex mutex;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto& contexts = primaryContexts();
+  if (device >= static_cast<int>(contexts.size())) {
+    contexts.resize(device + 1, nullptr);
+  }
+  if (!contexts[device]) {
+    CUdevice handle = 0;
+    check(driver().cuDeviceGet(&handle, device), "cuDeviceGet");
+    // Retained for the life of the process, like torch's own use of it.
+    check(driver().cuDevicePrimaryCtxRetain(&contexts[device], handle), "cuDevicePrimaryCtxRetain");
+  }
+  return contexts[device];
+}
+
+}  // namespace
+
+const Driver& driver() {
+  static const Driver instance = load();
+  return instance;
+}
+
+std::string errorText(CUresult result) {
+  const char* text = nullptr;
+  if (driver().cuGetErrorString(result, &text) != CUDA_SUCCESS || !text) {
+    return concat("CUDA error ", static_cast<int>(result));
+  }
+  return text;
+}
+
+void check(CUresult result, const char* what) {
+  if (result != CUDA_SUCCESS) {
+    fail("CUDA ", what, " failed: ", errorText(result));
+  }
+}
+
+ContextGuard::ContextGuard(int device) {
+  check(driver().cuCtxPushCurrent(primaryContext(device)), "cuCtxPushCurrent");
+}
+
+ContextGuard::~ContextGuard() {
+  CUcontext popped = nullptr;
+  driver().cuCtxPopCurrent(&popped);
+}
+
+}  // namespace smfree::engine::cuda

@@ -1,0 +1,54 @@
+#pragma once
+
+#include <cuda.h>
+
+#include <string>
+
+namespace smfree::engine::cuda {
+
+// The CUDA driver API, resolved at run time so the extension loads where there is no GPU.
+// Every driver function smfree calls, resolved once by cuGetProcAddress.
+#define SMFREE_CUDA_FUNCTIONS(X) \
+  X(cuGetErrorString)\
+  X(cuInit)\
+  X(cuDeviceGet)\
+  X(cuDeviceGetAttribute)\
+  X(cuDevicePrimaryCtxRetain)\
+  X(cuCtxPushCurrent)\
+  X(cuCtxPopCurrent)\
+  X(cuStreamCreate)\
+  X(cuStreamDestroy)\
+  X(cuStreamWaitValue32)\
+  X(cuStreamWriteValue32)\
+  X(cuMemcpyAsync)\
+  X(cuMemHostRegister)\
+  X(cuMemHostUnregister)\
+  X(cuMemGetAddressRange)\
+  X(cuPointerGetAttribute)\
+  X(cuIpcGetMemHandle)\
+  X(cuIpcOpenMemHandle)\
+  X(cuIpcCloseMemHandle)
+
+struct Driver {
+#define SMFREE_CUDA_MEMBER(name) decltype(&::name) name = nullptr;
+  SMFREE_CUDA_FUNCTIONS(SMFREE_CUDA_MEMBER)
+#undef SMFREE_CUDA_MEMBER
+};
+
+// The process's driver table; throws Error when no CUDA driver can be loaded.
+const Driver& driver();
+
+std::string errorText(CUresult result);
+// Throws Error("smfree: CUDA <what> failed: <driver message>") unless result is CUDA_SUCCESS.
+void check(CUresult result, const char* what);
+
+// Makes a device's primary context (the one torch uses) current for a scope.
+class ContextGuard {
+ public:
+  explicit ContextGuard(int device);
+  ~ContextGuard();
+  ContextGuard(const ContextGuard&) = delete;
+  ContextGuard& operator=(const ContextGuard&) = delete;
+};
+
+}  // namespace smfree::engine::cuda

@@ -1,0 +1,131 @@
+#include "engine/cuda/FlagSegment.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "engine/Error.h"
+#include "engine/cuda/CudaDriver.h"
+
+namespace smfree::engine::cuda {
+namespace {
+
+constexpr size_t kBytes = FlagSegment::kWords * sizeof(uint32_t);
+
+volatile uint32_t* mapWords(int fd, const std::string& what) {
+  void* address = mmap(nullptr, kBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (address == MAP_FAILED) {
+    fail("cannot map ", what, ": ", std::strerror(errno));
+  }
+  return static_cast<volatile uint32_t*>(address);
+}
+
+void registerHost(volatile uint32_t* words) {
+  // Portable: any context may use it; device-mapped: streams can write and wait on it.
+  check(driver().cuMemHostRegister(const_cast<uint32_t*>(words), kBytes,
+                                   CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP),
+        "cuMemHostRegister of a flag segment");
+}
+
+}  // namespace
+
+bool reached(uint32_t word, uint32_t value) {
+  // The same test as CU_STREAM_WAIT_VALUE_GEQ, so wrap-around agrees with the GPU's.
+  return static_cast<int32_t>(word - value) >= 0;
+}
+
+FlagSegment::FlagSegment() {
+  fd_ = memfd_create("smfree-flags", MFD_CLOEXEC);
+  if (fd_ < 0 || ftruncate(fd_, kBytes) != 0) {
+    fail("cannot create the flag segment: ", std::strerror(errno));
+  }
+  words_ = mapWords(fd_, "the flag segment");
+  path_ = concat("/proc/", getpid(), "/fd/", fd_);
+  free_.reserve(kWords);
+  for (uint32_t i = kWords; i > 0; --i) free_.push_back(i - 1);
+  generation_.assign(kWords, 0);
+}
+
+FlagSegment::~FlagSegment() {
+  if (registered_) {
+    driver().cuMemHostUnregister(const_cast<uint32_t*>(words_));
+  }
+  munmap(const_cast<uint32_t*>(words_), kBytes);
+  close(fd_);
+}
+
+Flag FlagSegment::acquire() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (free_.empty()) {
+    fail("all ", kWords, " flag words are in use: too many CUDA ops in flight");
+  }
+  const uint32_t index = free_.back();
+  free_.pop_back();
+  uint32_t value = ++generation_[index];
+  if (value == 0) {
+    value = ++generation_[index];
+  }
+  return Flag{index, value};
+}
+
+void FlagSegment::release(const Flag& flag) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  free_.push_back(flag.index);
+}
+
+bool FlagSegment::isSet(const Flag& flag) const { return reached(words_[flag.index], flag.value); }
+
+void FlagSegment::set(const Flag& flag) const {
+  if (!isSet(flag)) words_[flag.index] = flag.value;
+}
+
+void* FlagSegment::cudaAddress(uint32_t index) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!registered_) {
+      registerHost(words_);
+      registered_ = true;
+    }
+  }
+  // Unified addressing: the host address of registered memory is valid on the device.
+  return const_cast<uint32_t*>(words_ + index);
+}
+
+RemoteFlagSegment::RemoteFlagSegment(const std::string& path) {
+  const int fd = open(path.c_str(), O_RDWR | O_CLOEXEC);
+  if (fd < 0) {
+    fail("cannot open a peer's flag segment ", path, ": ", std::strerror(errno),
+         " (same-host CUDA transfers need access to the peer's /proc/<pid>/fd)");
+  }
+  words_ = mapWords(fd, path);
+  close(fd);
+}
+
+RemoteFlagSegment::~RemoteFlagSegment() {
+  if (registered_) {
+    driver().cuMemHostUnregister(const_cast<uint32_t*>(words_));
+  }
+  munmap(const_cast<uint32_t*>(words_), kBytes);
+}
+
+bool RemoteFlagSegment::isSet(const Flag& flag) const {
+  return reached(words_[flag.index], flag.value);
+}
+
+void RemoteFlagSegment::set(const Flag& flag) const {
+  if (!isSet(flag)) words_[flag.index] = flag.value;
+}
+
+void* RemoteFlagSegment::cudaAddress(uint32_t index) {
+  if (!registered_) {
+    registerHost(words_);
+    registered_ = true;
+  }
+  // Unified addressing: the host address of registered memory is valid on the device.
+  return const_cast<uint32_t*>(words_ + index);
+}
+
+}  // namespace smfree::engine::cuda

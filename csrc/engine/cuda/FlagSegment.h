@@ -1,0 +1,73 @@
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace smfree::engine::cuda {
+
+// One 32-bit signal word in a flag segment, and the value that means "set" for its current
+// use. Values only grow per word, so a wait for an old value never blocks on a newer use.
+struct Flag {
+  uint32_t index = 0;
+  uint32_t value = 0;
+};
+
+// Shared host memory holding this process's signal words. CUDA streams (ours and the
+// peers') write and wait on them with stream memory operations; progress threads read them.
+// Peers map it through /proc/<pid>/fd/<fd>, so it disappears with the process.
+class FlagSegment {
+ public:
+  static constexpr uint32_t kWords = 16384;
+
+  FlagSegment();
+  ~FlagSegment();
+  FlagSegment(const FlagSegment&) = delete;
+  FlagSegment& operator=(const FlagSegment&) = delete;
+
+  // Where peers open it: "/proc/<pid>/fd/<fd>".
+  const std::string& path() const { return path_; }
+
+  // Thread-safe. Throws when every word is in use.
+  Flag acquire();
+  void release(const Flag& flag);
+
+  volatile uint32_t* word(uint32_t index) const { return words_ + index; }
+  bool isSet(const Flag& flag) const;
+  // For failure: releases every stream wait on the flag.
+  void set(const Flag& flag) const;
+  // The word as CUDA streams address it; registers the segment with CUDA on first use.
+  void* cudaAddress(uint32_t index);
+
+ private:
+  int fd_ = -1;
+  std::string path_;
+  volatile uint32_t* words_ = nullptr;
+  std::mutex mutex_;
+  std::vector<uint32_t> free_;
+  std::vector<uint32_t> generation_;
+  bool registered_ = false;
+};
+
+// A peer's flag segment, mapped into this process.
+class RemoteFlagSegment {
+ public:
+  explicit RemoteFlagSegment(const std::string& path);
+  ~RemoteFlagSegment();
+  RemoteFlagSegment(const RemoteFlagSegment&) = delete;
+  RemoteFlagSegment& operator=(const RemoteFlagSegment&) = delete;
+
+  bool isSet(const Flag& flag) const;
+  void set(const Flag& flag) const;
+  void* cudaAddress(uint32_t index);  // registers the mapping with CUDA on first use
+
+ private:
+  volatile uint32_t* words_ = nullptr;
+  bool registered_ = false;
+};
+
+bool reached(uint32_t word, uint32_t value);
+
+}  // namespace smfree::engine::cuda
