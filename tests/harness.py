@@ -26,13 +26,17 @@ class RankResult:
     error: str | None = None
 
 
-def _run_rank(fn, rank, world_size, init_file, backend, group_timeout_s, args, results):
+def _run_rank(fn, rank, world_size, init_file, backend, group_timeout_s, env, args, results):
     os.environ.setdefault("SMFREE_LOG_LEVEL", "error")
+    os.environ.update(env)
+    import torch
     import torch.distributed as dist
 
     import smfree_pg  # noqa: F401  (registers the backend)
 
     try:
+        if env.get("SMFREE_TEST_CUDA") == "1":
+            torch.cuda.set_device(rank)
         dist.init_process_group(
             backend,
             init_method=f"file://{init_file}",
@@ -59,11 +63,17 @@ def run_ranks(
     group_timeout_s: float = 30,
     timeout: float = DEFAULT_TIMEOUT_S,
     expect_exit: tuple[int, ...] = (),
+    cuda: bool = False,
+    env: dict | None = None,
 ) -> list:
     """Values returned by `fn` on each rank, in rank order.
 
-    Ranks listed in `expect_exit` may end without a result (they kill themselves).
+    Ranks listed in `expect_exit` may end without a result (they kill themselves). With
+    `cuda`, rank r uses cuda:r. `env` is added to each rank's environment.
     """
+    env = dict(env or {})
+    if cuda:
+        env["SMFREE_TEST_CUDA"] = "1"
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -71,7 +81,8 @@ def run_ranks(
         procs = [
             ctx.Process(
                 target=_run_rank,
-                args=(fn, rank, world_size, init_file, backend, group_timeout_s, args, results),
+                args=(fn, rank, world_size, init_file, backend, group_timeout_s, env, args,
+                      results),
                 daemon=True,
             )
             for rank in range(world_size)

@@ -1,5 +1,6 @@
 #include <pybind11/chrono.h>
 #include <pybind11/functional.h>
+#include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include "backend/SmFreeBackend.h"
@@ -26,7 +27,9 @@ PYBIND11_MODULE(_C, module) {
            py::arg("timeout"), py::arg("group_name"), py::arg("inner_factory"),
            py::call_guard<py::gil_scoped_release>())
       .def("dump_pending", &smfree::SmFreeBackend::dumpPending,
-           py::call_guard<py::gil_scoped_release>());
+           py::call_guard<py::gil_scoped_release>())
+      .def("_stats", &smfree::SmFreeBackend::stats, py::call_guard<py::gil_scoped_release>(),
+           "Engine-wide counters: live_ops, ipc_mappings, flag_words_in_use.");
 
   module.def("_stop_engine", &smfree::engine::Engine::stopProcessEngine,
              py::call_guard<py::gil_scoped_release>(),

@@ -322,4 +322,12 @@ std::string SmFreeBackend::dumpPending() {
   }
 }
 
+std::map<std::string, int64_t> SmFreeBackend::stats() {
+  try {
+    return group_->stats();
+  } catch (const engine::Error& error) {
+    C10_THROW_ERROR(DistBackendError, error.what());
+  }
+}
+
 }  // namespace smfree

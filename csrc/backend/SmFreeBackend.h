@@ -90,6 +90,7 @@ class SmFreeBackend final : public c10d::Backend {
 
   // The ops of this group that are not finished, one per line.
   std::string dumpPending();
+  std::map<std::string, int64_t> stats();
 
  private:
   c10::intrusive_ptr<c10d::Work> pointToPoint(engine::OpKind kind, std::vector<at::Tensor>& tensors,

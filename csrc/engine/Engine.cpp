@@ -353,6 +353,12 @@ std::string Engine::dumpPending(uint64_t groupId) {
   return concat(count, " pending:\n", out.str());
 }
 
+std::map<std::string, int64_t> Engine::stats() {
+  return {{"live_ops", static_cast<int64_t>(live_.size())},
+          {"ipc_mappings", static_cast<int64_t>(copyEngine_->ipcMappings())},
+          {"flag_words_in_use", static_cast<int64_t>(flags_->inUse())}};
+}
+
 void Engine::startOp(const std::shared_ptr<Op>& op) {
   GroupState* group = findGroup(op->groupId);
   if (!group || group->closed) {
@@ -800,6 +806,12 @@ std::string Group::dumpPending() {
   Engine* engine = engine_.get();
   return engine_->call<std::string>([engine, id] { return engine->dumpPending(id); },
                                     std::chrono::seconds(10), "dumping pending ops");
+}
+
+std::map<std::string, int64_t> Group::stats() {
+  Engine* engine = engine_.get();
+  return engine_->call<std::map<std::string, int64_t>>([engine] { return engine->stats(); },
+                                                       std::chrono::seconds(10), "reading stats");
 }
 
 }  // namespace smfree::engine

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstdint>
 #include <deque>
+#include <map>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -74,6 +75,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   void attachPeer(uint64_t groupId, int rank, const PeerAddress& address);
   void closeGroup(uint64_t groupId, StatusCode code, const std::string& reason);
   std::string dumpPending(uint64_t groupId);
+  std::map<std::string, int64_t> stats();
 
   void startOp(const std::shared_ptr<Op>& op);
   void onControlMessage(const void* data, size_t length);
@@ -148,6 +150,8 @@ class Group {
   // Why `rank`'s process is known dead, if it is.
   std::optional<std::string> peerFailure(int rank);
   std::string dumpPending();
+  // Engine-wide counters: live ops, open CUDA IPC mappings, flag words in use.
+  std::map<std::string, int64_t> stats();
 
  private:
   std::shared_ptr<Engine> engine_;

@@ -76,6 +76,11 @@ void FlagSegment::release(const Flag& flag) {
   free_.push_back(flag.index);
 }
 
+size_t FlagSegment::inUse() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return kWords - free_.size();
+}
+
 bool FlagSegment::isSet(const Flag& flag) const { return reached(words_[flag.index], flag.value); }
 
 void FlagSegment::set(const Flag& flag) const {

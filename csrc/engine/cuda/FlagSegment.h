@@ -34,7 +34,7 @@ class FlagSegment {
   Flag acquire();
   void release(const Flag& flag);
 
-  volatile uint32_t* word(uint32_t index) const { return words_ + index; }
+  size_t inUse();
   bool isSet(const Flag& flag) const;
   // For failure: releases every stream wait on the flag.
   void set(const Flag& flag) const;

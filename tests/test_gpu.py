@@ -1,0 +1,406 @@
+"""Same-host CUDA point-to-point on the copy engines. Needs at least 2 GPUs (marked gpu)."""
+
+import os
+import random
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import run_ranks
+
+pytestmark = pytest.mark.gpu
+
+GPUS = torch.cuda.device_count()
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8, torch.uint8,
+          torch.int32, torch.int64, torch.bool, torch.complex64]
+
+
+def filled(numel, dtype, seed, device):
+    """Contents that differ per rank and per position, made on the GPU."""
+    values = torch.arange(numel, dtype=torch.int64, device=device) * 7 + seed * 1_000_003
+    if dtype == torch.bool:
+        return values % 3 == 0
+    if dtype.is_complex:
+        return torch.complex((values % 1000).float(), (values % 777).float()).to(dtype)
+    if dtype.is_floating_point:
+        return (values % 2039).to(dtype)
+    return (values % 127).to(dtype)
+
+
+def exchange(mine, got, peer, batched=True):
+    if batched:
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, peer),
+                                        dist.P2POp(dist.irecv, got, peer)])
+    else:
+        works = [dist.isend(mine, peer), dist.irecv(got, peer)]
+    for work in works:
+        work.wait()
+
+
+def _dtypes_and_sizes(rank, world, sizes):
+    dev = torch.device("cuda", rank)
+    peer = 1 - rank
+    checked = 0
+    for dtype in DTYPES:
+        mine = filled(1000, dtype, rank, dev)
+        got = torch.zeros(1000, dtype=dtype, device=dev)
+        exchange(mine, got, peer)
+        assert torch.equal(got, filled(1000, dtype, peer, dev)), dtype
+        checked += 1
+    for nbytes in sizes:
+        mine = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=dev,
+                             generator=torch.Generator(dev).manual_seed(rank + nbytes))
+        got = torch.zeros(nbytes, dtype=torch.uint8, device=dev)
+        exchange(mine, got, peer)
+        expected = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=dev,
+                                 generator=torch.Generator(dev).manual_seed(peer + nbytes))
+        assert torch.equal(got, expected), f"{nbytes} B differ"
+        checked += 1
+        del mine, got, expected
+    torch.cuda.synchronize()
+    return checked
+
+
+def test_dtypes_and_sizes_zero_bytes_to_1_gib():
+    sizes = [0, 1, 4097, 1 << 20, 16 << 20, 256 << 20, 1 << 30]
+    assert run_ranks(_dtypes_and_sizes, 2, sizes, cuda=True, timeout=300) == \
+        [len(DTYPES) + len(sizes)] * 2
+
+
+def _views(rank, world):
+    dev = torch.device("cuda", rank)
+    peer = 1 - rank
+    base = torch.arange(1000, dtype=torch.float32, device=dev) + 10_000 * rank
+    target = torch.full((500,), -1.0, device=dev)
+    exchange(base[100:300], target[50:250], peer, batched=False)
+    expected = torch.full((500,), -1.0, device=dev)
+    expected[50:250] = torch.arange(100, 300, dtype=torch.float32, device=dev) + 10_000 * peer
+    return torch.equal(target, expected)
+
+
+def test_views_with_storage_offsets():
+    assert run_ranks(_views, 2, cuda=True) == [True, True]
+
+
+def _stream_order(rank, world):
+    # The sender's producer is slow and the receiver's buffer is still being read by a slow
+    # consumer: the copy must wait for both, without the CPU waiting for either.
+    dev = torch.device("cuda", rank)
+    peer = 1 - rank
+    buf = torch.full((1 << 20,), 7.0, device=dev)
+    if rank == 0:
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time before the producer runs
+        buf.fill_(42.0)
+        started = time.monotonic()
+        work = dist.isend(buf, peer)
+        work.wait()
+        posted_in = time.monotonic() - started
+        torch.cuda.synchronize()
+        return posted_in
+    torch.cuda._sleep(200_000_000)
+    snapshot = buf.clone()  # reads the old contents after the sleep
+    work = dist.irecv(buf, peer)
+    work.wait()
+    after = buf.clone()  # stream-ordered after the recv
+    torch.cuda.synchronize()
+    return snapshot[0].item(), after[0].item()
+
+
+def test_stream_semantics_of_send_and_recv():
+    posted_in, (before, after) = run_ranks(_stream_order, 2, cuda=True)
+    assert before == 7.0, "the recv overwrote the buffer before earlier work on it finished"
+    assert after == 42.0, "data sent before the producer finished, or not received"
+    assert posted_in < 0.05, f"isend + wait blocked the CPU for {posted_in:.3f} s"
+
+
+def _crossed_unbatched(rank, world, nbytes):
+    dev = torch.device("cuda", rank)
+    peer = 1 - rank
+    mine = torch.full((nbytes // 4,), float(rank + 1), device=dev)
+    got = torch.zeros(nbytes // 4, device=dev)
+    send = dist.isend(mine, peer)
+    recv = dist.irecv(got, peer)
+    send.wait()
+    recv.wait()
+    return bool(torch.all(got == peer + 1))
+
+
+@pytest.mark.parametrize("nbytes", [4096, 64 << 20])
+def test_crossed_isend_before_irecv_unbatched(nbytes):
+    assert run_ranks(_crossed_unbatched, 2, nbytes, cuda=True) == [True, True]
+
+
+def _out_of_order_readiness(rank, world):
+    # Rank 1 makes its stream wait for the tag-2 recv before it even posts the tag-1 recv,
+    # while rank 0 sends tag 1 first. A DMA queue that waits on the receiver in posting
+    # order would deadlock here.
+    dev = torch.device("cuda", rank)
+    if rank == 0:
+        a = torch.full((1 << 16,), 1.0, device=dev)
+        b = torch.full((1 << 16,), 2.0, device=dev)
+        works = [dist.isend(a, 1, tag=1), dist.isend(b, 1, tag=2)]
+        for work in works:
+            work.wait()
+        torch.cuda.synchronize()
+        return None
+    a = torch.zeros(1 << 16, device=dev)
+    b = torch.zeros(1 << 16, device=dev)
+    dist.irecv(b, 0, tag=2).wait()
+    b.add_(1)  # uses b after its recv, in stream order
+    dist.irecv(a, 0, tag=1).wait()
+    torch.cuda.synchronize()
+    return a[0].item(), b[0].item()
+
+
+def test_readiness_in_another_order_than_posting():
+    assert run_ranks(_out_of_order_readiness, 2, cuda=True)[1] == (1.0, 3.0)
+
+
+def _pp2_one_peer(rank, world, steps):
+    # PP = 2 with 1F1B-like traffic: activations forward and gradients backward to the same
+    # peer, compute between, some steps batched, some not, ops on a side stream.
+    dev = torch.device("cuda", rank)
+    peer = 1 - rank
+    side = torch.cuda.Stream(dev)
+    weight = torch.randn(512, 512, device=dev)
+    seen = []
+    for step in range(steps):
+        out = (torch.full((512, 512), float(step), device=dev) @ torch.eye(512, device=dev)) + rank
+        got = torch.empty(512, 512, device=dev)
+        with torch.cuda.stream(side if step % 3 == 0 else torch.cuda.current_stream()):
+            if step % 3 == 0:
+                side.wait_stream(torch.cuda.default_stream(dev))
+            exchange(out, got, peer, batched=step % 2 == 0)
+            checksum = got[0, 0].clone()
+        torch.cuda.current_stream().wait_stream(side)
+        _ = weight @ weight  # compute that overlaps the next step's transfers
+        seen.append(checksum)
+    torch.cuda.synchronize()
+    return [s.item() for s in seen]
+
+
+def test_pp2_one_peer_next_and_previous_stage():
+    steps = 30
+    results = run_ranks(_pp2_one_peer, 2, steps, cuda=True)
+    for rank, seen in enumerate(results):
+        assert seen == [float(s) + (1 - rank) for s in range(steps)]
+
+
+def _many_groups_many_streams(rank, world, groups_count, rounds):
+    dev = torch.device("cuda", rank)
+    peer = 1 - rank
+    groups = [dist.new_group([0, 1], backend="smfree") for _ in range(groups_count)]
+    streams = [torch.cuda.Stream(dev) for _ in groups]
+    results = []
+    works = []
+    for step in range(rounds):
+        for index, (group, stream) in enumerate(zip(groups, streams)):
+            with torch.cuda.stream(stream):
+                mine = torch.full((4096,), float(1000 * index + 10 * step + rank), device=dev)
+                got = torch.empty(4096, device=dev)
+                # Alternate which direction goes first per group: any order must complete.
+                ops = [dist.isend(mine, peer, group=group), dist.irecv(got, peer, group=group)]
+                if (index + rank) % 2:
+                    ops.reverse()
+                for work in ops:
+                    work.wait()
+                works.append((index, step, got))
+    torch.cuda.synchronize()
+    for index, step, got in works:
+        results.append(bool(torch.all(got == 1000 * index + 10 * step + peer)))
+    return all(results)
+
+
+def test_many_groups_and_streams_any_posting_order():
+    assert run_ranks(_many_groups_many_streams, 2, 4, 10, cuda=True) == [True, True]
+
+
+def _all_pairs(rank, world):
+    dev = torch.device("cuda", rank)
+    got = {}
+    works = []
+    for peer in range(world):
+        if peer == rank:
+            continue
+        got[peer] = torch.empty(1 << 18, dtype=torch.int64, device=dev)
+        works.append(dist.isend(torch.full((1 << 18,), 100 * rank + peer, dtype=torch.int64,
+                                           device=dev), peer))
+        works.append(dist.irecv(got[peer], peer))
+    for work in works:
+        work.wait()
+    torch.cuda.synchronize()
+    return {peer: int(t[0]) for peer, t in got.items() if torch.all(t == t[0])}
+
+
+@pytest.mark.skipif(GPUS < 4, reason="needs 4 GPUs")
+def test_four_ranks_every_pair():
+    results = run_ranks(_all_pairs, 4, cuda=True)
+    for rank, got in enumerate(results):
+        assert got == {peer: 100 * peer + rank for peer in range(4) if peer != rank}
+
+
+def _churn(rank, world, transfers, cache_size):
+    # Random allocations and frees between transfers, so receive buffers move around and
+    # the caching allocator returns segments to the driver; every payload is checksummed.
+    dev = torch.device("cuda", rank)
+    peer = 1 - rank
+    rng = random.Random(1234)  # same sequence on both ranks
+    keep = []
+    backend = dist.group.WORLD._get_backend(dev)
+    most_mappings = 0
+    for i in range(transfers):
+        numel = rng.choice([1 << 10, 1 << 14, 1 << 18, 3 << 18, 1 << 20])
+        mine = torch.randint(-1000, 1000, (numel,), dtype=torch.int32, device=dev,
+                             generator=torch.Generator(dev).manual_seed(rank * 100_000 + i))
+        got = torch.empty(numel, dtype=torch.int32, device=dev)
+        exchange(mine, got, peer, batched=i % 2 == 0)
+        expected_sum = torch.randint(-1000, 1000, (numel,), dtype=torch.int32, device=dev,
+                                     generator=torch.Generator(dev).manual_seed(
+                                         peer * 100_000 + i)).sum()
+        assert got.sum().item() == expected_sum.item(), f"transfer {i}: checksum differs"
+        keep.append(torch.empty(rng.randint(1, 64) << 20, dtype=torch.uint8, device=dev))
+        if rng.random() < 0.5:
+            keep.pop(rng.randrange(len(keep)))
+        if i % 50 == 49:
+            keep.clear()
+            torch.cuda.empty_cache()  # segments go back to the driver; addresses get reused
+            most_mappings = max(most_mappings, backend._stats()["ipc_mappings"])
+    torch.cuda.synchronize()
+    stats = backend._stats()
+    return most_mappings, stats["live_ops"]
+
+
+@pytest.mark.parametrize("cache_size", [4, 1024])
+def test_allocator_churn_keeps_data_right_and_mappings_bounded(cache_size):
+    results = run_ranks(_churn, 2, 1000, cache_size, cuda=True, timeout=300,
+                        env={"SMFREE_IPC_CACHE_SIZE": str(cache_size)})
+    for most_mappings, live_ops in results:
+        assert most_mappings <= cache_size
+        assert live_ops == 0
+
+
+def _expandable_segments(rank, world):
+    dev = torch.device("cuda", rank)
+    got = torch.zeros(1 << 20, device=dev)
+    ops = [dist.P2POp(dist.isend, torch.ones(1 << 20, device=dev), 1 - rank),
+           dist.P2POp(dist.irecv, got, 1 - rank)]
+    try:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        torch.cuda.synchronize()
+        return "ok", bool(torch.all(got == 1))
+    except dist.DistBackendError as error:
+        torch.cuda.synchronize()  # no stream may stay parked
+        return "error", str(error)
+
+
+def test_expandable_segments_fail_clearly_not_silently():
+    results = run_ranks(_expandable_segments, 2, cuda=True, group_timeout_s=15,
+                        env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+    for outcome, detail in results:
+        assert (outcome, detail) == ("ok", True) or "expandable_segments" in str(detail) \
+            or "timeout" in str(detail) or "gave up" in str(detail), detail
+
+
+def _zero_kernels(rank, world):
+    dev = torch.device("cuda", rank)
+    peer = 1 - rank
+    mine = torch.ones(1 << 22, device=dev)
+    got = torch.empty(1 << 22, device=dev)
+    exchange(mine, got, peer)  # warm: mappings and streams exist
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(10):
+            exchange(mine, got, peer)
+        torch.cuda.synchronize()
+    kernels = [evt.name for evt in prof.events()
+               if evt.device_type == torch.autograd.DeviceType.CUDA
+               and "memcpy" not in evt.name.lower() and "memset" not in evt.name.lower()]
+    return kernels, bool(torch.all(got == 1))
+
+
+def test_p2p_launches_no_kernels():
+    for kernels, ok in run_ranks(_zero_kernels, 2, cuda=True):
+        assert ok
+        assert kernels == [], f"P2P ops launched kernels: {sorted(set(kernels))}"
+
+
+def _wrong_device(rank, world):
+    dev = torch.device("cuda", rank)
+    other = torch.device("cuda", 1 - rank)
+    exchange(torch.ones(8, device=dev), torch.empty(8, device=dev), 1 - rank)
+    with pytest.raises(ValueError, match=rf"tensor on cuda:{1 - rank}, but this rank uses "
+                                         rf"cuda:{rank}"):
+        dist.isend(torch.ones(8, device=other), 1 - rank)
+    return True
+
+
+def test_tensor_on_another_device_than_the_groups():
+    assert run_ranks(_wrong_device, 2, cuda=True) == [True, True]
+
+
+def _cuda_mismatch(rank, world):
+    dev = torch.device("cuda", rank)
+    try:
+        if rank == 0:
+            dist.send(torch.ones(16, device=dev), 1)
+        else:
+            dist.recv(torch.empty(32, device=dev), 0)
+        torch.cuda.synchronize()
+        return None
+    except dist.DistBackendError as error:
+        torch.cuda.synchronize()  # the failed op left no stream parked
+        return str(error)
+
+
+def test_cuda_size_mismatch_fails_on_both_ranks():
+    for error in run_ranks(_cuda_mismatch, 2, cuda=True):
+        assert error and "rank 0 sends float32[16] (64 B) on cuda" in error
+        assert "receives into float32[32] (128 B) on cuda" in error
+
+
+def _peer_dies(rank, world):
+    dev = torch.device("cuda", rank)
+    if rank == 1:
+        dist.barrier()
+        time.sleep(0.2)
+        os._exit(1)
+    got = torch.zeros(1 << 24, device=dev)
+    work = dist.irecv(got, 1)
+    work.wait()  # the current stream now waits for a transfer that will never come
+    marker = torch.ones(1, device=dev)  # queued behind that wait
+    dist.barrier()
+    started = time.monotonic()
+    torch.cuda.synchronize()  # returns once the failure released the stream
+    waited = time.monotonic() - started
+    return waited, marker.item(), str(work.exception())
+
+
+def test_dead_peer_leaves_no_stream_parked():
+    waited, marker, error = run_ranks(_peer_dies, 2, cuda=True, group_timeout_s=60,
+                                      expect_exit=(1,))[0]
+    assert waited < 30 and marker == 1.0
+    assert "its peer process" in error
+
+
+def _dropped_tensors(rank, world):
+    dev = torch.device("cuda", rank)
+    if rank == 0:
+        works = [dist.isend(torch.full((1 << 20,), float(i), device=dev), 1) for i in range(16)]
+        for work in works:
+            work.wait()
+        torch.cuda.synchronize()
+        return None
+    values = []
+    for _ in range(16):
+        buf = torch.empty(1 << 20, device=dev)
+        dist.recv(buf, 0)
+        values.append(buf[0].item() if torch.all(buf == buf[0]) else None)
+    return values
+
+
+def test_engine_holds_cuda_tensors_until_moved():
+    assert run_ranks(_dropped_tensors, 2, cuda=True)[1] == [float(i) for i in range(16)]
