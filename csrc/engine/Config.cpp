@@ -42,6 +42,11 @@ Config Config::fromEnv() {
   if (config.ipcCacheSize == 0) {
     fail("SMFREE_IPC_CACHE_SIZE must be at least 1");
   }
+  config.cudaP2P = parseNonNegative("SMFREE_CUDA_P2P", 0) != 0;
+  config.maxCudaOps = static_cast<size_t>(parseNonNegative("SMFREE_MAX_CUDA_OPS", 128));
+  if (config.maxCudaOps == 0) {
+    fail("SMFREE_MAX_CUDA_OPS must be at least 1");
+  }
   return config;
 }
 

@@ -338,8 +338,11 @@ std::string Engine::dumpPending(uint64_t groupId) {
     out << "  " << op->describe() << ", posted " << millisSince(op->posted, now) << " ms ago, "
         << (op->phase == Op::Phase::kMoving
                 ? "moving data"
-                : (op->isSend() ? "waiting for the receiver" : "waiting for a matching send"))
-        << "\n";
+                : (op->isSend() ? "waiting for the receiver" : "waiting for a matching send"));
+    if (op->cuda) {
+      out << " [flags " << copyEngine_->describeWait(*op) << "]";
+    }
+    out << "\n";
   }
   if (GroupState* group = findGroup(groupId)) {
     group->matcher.forEachWaiting([&](const Announcement& announcement) {
@@ -609,8 +612,9 @@ void Engine::complete(const std::shared_ptr<Op>& op, const Status& status) {
     return;
   }
   op->phase = Op::Phase::kDone;
-  if (op->cuda && !status.ok()) {
-    flags_->set(op->cuda->done);  // no user stream stays parked on a failed op
+  // No copy will write `done` for a failed op or an empty one: no user stream stays parked.
+  if (op->cuda && (!status.ok() || op->request.desc.bytes == 0)) {
+    flags_->set(op->cuda->done);
   }
   OpCallback callback = std::move(op->request.onComplete);
   op->request.onComplete = nullptr;
@@ -639,6 +643,7 @@ void Engine::release(const std::shared_ptr<Op>& op) {
     } else {
       unreachedReadyFlags_.push_back(op->cuda->ready);
     }
+    retireCuda();
   }
   live_.erase(op->id);
 }
@@ -650,7 +655,26 @@ void Engine::recycleFlags() {
   unreachedReadyFlags_.erase(unreached, unreachedReadyFlags_.end());
 }
 
-cuda::Flag Engine::prepareCuda(Op& op) {
+void Engine::admitCuda(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(cudaInflightMutex_);
+  if (!cudaInflightFreed_.wait_for(lock, timeout,
+                                   [this] { return cudaInflight_ < config_.maxCudaOps; })) {
+    fail(config_.maxCudaOps, " CUDA ops stayed in flight for ", timeout.count(),
+         " ms (SMFREE_MAX_CUDA_OPS): are their partners posted?");
+  }
+  ++cudaInflight_;
+}
+
+void Engine::retireCuda() {
+  {
+    std::lock_guard<std::mutex> lock(cudaInflightMutex_);
+    --cudaInflight_;
+  }
+  cudaInflightFreed_.notify_one();
+}
+
+cuda::Flag Engine::prepareCuda(Op& op, std::chrono::milliseconds timeout) {
+  admitCuda(timeout);
   CudaOpState state;
   state.stream = op.request.stream;
   state.ready = flags_->acquire();
@@ -665,6 +689,7 @@ cuda::Flag Engine::prepareCuda(Op& op) {
                 "cuStreamWriteValue32 (ready)");
   } catch (...) {
     for (const auto& flag : {state.ready, state.done, state.moved}) flags_->release(flag);
+    retireCuda();
     throw;
   }
   op.cuda = state;
@@ -673,10 +698,14 @@ cuda::Flag Engine::prepareCuda(Op& op) {
 
 void Engine::waitOnStream(void* stream, int device, const cuda::Flag& flag) {
   cuda::ContextGuard context(device);
+  // The flag says a peer's copy engine finished writing our memory over NVLink; the flush
+  // makes those writes visible to the work queued after the wait.
+  const unsigned flags =
+      CU_STREAM_WAIT_VALUE_GEQ | (cuda::canFlushRemoteWrites(device) ? CU_STREAM_WAIT_VALUE_FLUSH : 0);
   cuda::check(cuda::driver().cuStreamWaitValue32(
                   static_cast<CUstream>(stream),
                   reinterpret_cast<CUdeviceptr>(flags_->cudaAddress(flag.index)), flag.value,
-                  CU_STREAM_WAIT_VALUE_GEQ),
+                  flags),
               "cuStreamWaitValue32 (done)");
 }
 
@@ -762,6 +791,11 @@ std::optional<cuda::Flag> Group::post(OpRequest request) {
   if (closed_) {
     fail("group '", config_->name, "' is closed");
   }
+  if (request.buffer.memory == MemoryKind::kCuda && !engine_->config().cudaP2P) {
+    fail("point-to-point ops on CUDA tensors are experimental and off: back-to-back small "
+         "transfers can stall until the group timeout (see the README). SMFREE_CUDA_P2P=1 "
+         "turns them on");
+  }
   auto op = std::make_shared<Op>();
   op->id = engine_->nextOpId();
   op->request = std::move(request);
@@ -769,7 +803,7 @@ std::optional<cuda::Flag> Group::post(OpRequest request) {
   op->config = config_;
   std::optional<cuda::Flag> done;
   if (op->request.buffer.memory == MemoryKind::kCuda) {
-    done = engine_->prepareCuda(*op);
+    done = engine_->prepareCuda(*op, timeout());
   }
   op->posted = Clock::now();
   op->deadline = op->posted + timeout();

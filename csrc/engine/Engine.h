@@ -2,6 +2,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <map>
@@ -65,7 +66,12 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::optional<std::string> failureOf(const std::string& processKey);
   uint64_t nextOpId() { return nextOpId_.fetch_add(1); }
   // On the caller's thread: flags for a CUDA op, and its stream's `ready` write.
-  cuda::Flag prepareCuda(Op& op);
+  cuda::Flag prepareCuda(Op& op, std::chrono::milliseconds timeout);
+  // Bounds the CUDA ops in flight, blocking the caller *before* it enqueues on its stream:
+  // a caller blocked inside the driver on a full stream queue could keep the progress
+  // thread from enqueueing the very copy that would drain it.
+  void admitCuda(std::chrono::milliseconds timeout);
+  void retireCuda();
   void waitOnStream(void* stream, int device, const cuda::Flag& flag);
 
   // Progress thread.
@@ -113,6 +119,10 @@ class Engine : public std::enable_shared_from_this<Engine> {
   bool stopping_ = false;
   std::atomic<uint64_t> nextOpId_{1};
   std::thread progress_;
+
+  std::mutex cudaInflightMutex_;
+  std::condition_variable cudaInflightFreed_;
+  size_t cudaInflight_ = 0;
 
   std::mutex failuresMutex_;
   std::unordered_map<std::string, std::string> failures_;  // processKey -> why

@@ -36,6 +36,7 @@ class FlagSegment {
 
   size_t inUse();
   bool isSet(const Flag& flag) const;
+  uint32_t wordOf(const Flag& flag) const { return words_[flag.index]; }
   // For failure: releases every stream wait on the flag.
   void set(const Flag& flag) const;
   // The word as CUDA streams address it; registers the segment with CUDA on first use.
@@ -60,6 +61,7 @@ class RemoteFlagSegment {
   RemoteFlagSegment& operator=(const RemoteFlagSegment&) = delete;
 
   bool isSet(const Flag& flag) const;
+  uint32_t wordOf(const Flag& flag) const { return words_[flag.index]; }
   void set(const Flag& flag) const;
   void* cudaAddress(uint32_t index);  // registers the mapping with CUDA on first use
 

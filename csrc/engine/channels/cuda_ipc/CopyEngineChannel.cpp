@@ -177,6 +177,23 @@ void CopyEngineChannel::peerFailed(Peer& peer) {
   ipc_.dropPeer(peer.address.processKey);
 }
 
+std::string CopyEngineChannel::describeWait(const Op& op) const {
+  auto flag = [](const char* name, uint32_t word, const cuda::Flag& wanted) {
+    return concat(name, " ", wanted.index, ":", word, "/", wanted.value);
+  };
+  const CudaOpState& state = *op.cuda;
+  std::string text = concat(flag("ready", flags_.wordOf(state.ready), state.ready), ", ",
+                            flag("done", flags_.wordOf(state.done), state.done), ", ",
+                            flag("moved", flags_.wordOf(state.moved), state.moved));
+  for (const Transfer& send : waiting_) {
+    if (send.op.get() == &op) {
+      text += concat(", peer ", flag("ready", send.peer->flags->wordOf(send.clearance->ready),
+                                     send.clearance->ready));
+    }
+  }
+  return text;
+}
+
 CUstream CopyEngineChannel::dmaStream(int localDevice, int peerDevice) {
   auto& stream = streams_[{localDevice, peerDevice}];
   if (!stream) {

@@ -37,6 +37,8 @@ class CopyEngineChannel final : public Channel {
   void peerFailed(Peer& peer) override;
 
   size_t ipcMappings() const { return ipc_.size(); }
+  // For the pending-op table: which flags an op still waits for, as "name word/wanted".
+  std::string describeWait(const Op& op) const;
 
  private:
   // What the receiver's clear-to-send carries.
