@@ -193,7 +193,8 @@ def print_table(rows: list[dict], ref: str, header: str) -> None:
 
 
 def describe(device: torch.device, world: int) -> str:
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    name = (f"{torch.cuda.get_device_name(device)} (experimental copy-engine path)"
+            if device.type == "cuda" else "CPU")
     pairs = world // 2
     idle = f", rank {world - 1} idle" if world % 2 else ""
     return (
@@ -209,6 +210,8 @@ def setup() -> tuple[str, torch.device]:
         local_rank = int(os.environ["LOCAL_RANK"])
         torch.cuda.set_device(local_rank)
         ref, device = "nccl", torch.device("cuda", local_rank)
+        # CUDA point-to-point is opt-in while experimental (see the README).
+        os.environ.setdefault("SMFREE_CUDA_P2P", "1")
     else:
         ref, device = "gloo", torch.device("cpu")
     dist.init_process_group(backend=ref)
