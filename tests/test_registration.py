@@ -33,17 +33,21 @@ def test_entry_point_registers_without_import():
     assert _autoloaded("0") == ["False", "False"]
 
 
-def _device_map(rank, world):
-    backend = dist.group.WORLD._get_backend(torch.device("cuda"))
-    assert type(backend).__name__ == "SmFreeBackend"
-    cpu = dist.group.WORLD._get_backend(torch.device("cpu"))
-    assert type(cpu).__name__ == "ProcessGroupGloo"
+def _exchange(rank):
     got = torch.empty(2)
     ops = [dist.P2POp(dist.isend, torch.full((2,), float(rank)), 1 - rank),
            dist.P2POp(dist.irecv, got, 1 - rank)]
     for work in dist.batch_isend_irecv(ops):
         work.wait()
     return got[0].item()
+
+
+def _device_map(rank, world):
+    backend = dist.group.WORLD._get_backend(torch.device("cuda"))
+    assert type(backend).__name__ == "SmFreeBackend"
+    cpu = dist.group.WORLD._get_backend(torch.device("cpu"))
+    assert type(cpu).__name__ == "ProcessGroupGloo"
+    return _exchange(rank)
 
 
 def test_cpu_gloo_cuda_smfree_device_map():
@@ -52,12 +56,7 @@ def test_cpu_gloo_cuda_smfree_device_map():
 
 def _cpu_smfree(rank, world):
     assert type(dist.group.WORLD._get_backend(torch.device("cpu"))).__name__ == "SmFreeBackend"
-    got = torch.empty(2)
-    ops = [dist.P2POp(dist.isend, torch.full((2,), float(rank)), 1 - rank),
-           dist.P2POp(dist.irecv, got, 1 - rank)]
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
-    return got[0].item()
+    return _exchange(rank)
 
 
 def test_cpu_smfree_device_map():

@@ -441,7 +441,6 @@ void Engine::onMatched(GroupState& group, Matcher::Match& match) {
   }
   recv->source = rts.source;
   recv->seq = rts.seq;
-  recv->remoteId = rts.sendId;
   if (recv->cuda && !sender->sameHost && rts.desc.compatibleWith(recv->request.desc)) {
     const std::string why = crossHostCuda(*recv, *sender);
     complete(recv, Status::failure(StatusCode::kTransport, why));
@@ -494,7 +493,6 @@ void Engine::onClearToSend(const ClearToSend& message) {
     }
     return;
   }
-  send->remoteId = message.recvId;
   if (send->request.desc.bytes == 0) {
     complete(send, Status::success());
     return;
@@ -676,14 +674,13 @@ void Engine::retireCuda() {
 cuda::Flag Engine::prepareCuda(Op& op, std::chrono::milliseconds timeout) {
   admitCuda(timeout);
   CudaOpState state;
-  state.stream = op.request.stream;
   state.ready = flags_->acquire();
   state.done = flags_->acquire();
   state.moved = flags_->acquire();
   try {
     cuda::ContextGuard context(op.request.buffer.device);
     cuda::check(cuda::driver().cuStreamWriteValue32(
-                    static_cast<CUstream>(state.stream),
+                    static_cast<CUstream>(op.request.stream),
                     reinterpret_cast<CUdeviceptr>(flags_->cudaAddress(state.ready.index)),
                     state.ready.value, CU_STREAM_WRITE_VALUE_DEFAULT),
                 "cuStreamWriteValue32 (ready)");

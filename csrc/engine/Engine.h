@@ -47,7 +47,6 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // Publishes this process in the group's store and registers the group.
   std::shared_ptr<Group> joinGroup(GroupConfig config, std::shared_ptr<KeyValueStore> store,
                                    std::chrono::milliseconds timeout);
-  const PeerAddress& localAddress() const { return local_; }
   const Config& config() const { return config_; }
 
  private:

@@ -62,7 +62,6 @@ struct Op {
   Phase phase = Phase::kPosted;
   uint64_t seq = 0;        // position in the (group, sender, receiver, tag) stream
   int source = -1;         // recv: the rank it was matched with
-  uint64_t remoteId = 0;   // id of the partner op on the peer, once known
   int outstanding = 0;     // transport requests that still reference the buffer
   bool released = false;
   void* transportRequest = nullptr;
