@@ -152,6 +152,9 @@ T Engine::call(std::function<T()> command, std::chrono::milliseconds timeout, co
 }
 
 std::optional<std::string> Engine::failureOf(const std::string& processKey) {
+  if (!anyFailure_.load(std::memory_order_acquire)) {
+    return std::nullopt;
+  }
   std::lock_guard<std::mutex> lock(failuresMutex_);
   auto it = failures_.find(processKey);
   if (it == failures_.end()) {
@@ -552,6 +555,7 @@ void Engine::onPeerFailure(const std::string& processKey, const std::string& why
   {
     std::lock_guard<std::mutex> lock(failuresMutex_);
     failures_[processKey] = peer.failure;
+    anyFailure_.store(true, std::memory_order_release);
   }
   std::vector<std::shared_ptr<Op>> affected;
   for (auto& [id, op] : live_) {
@@ -824,6 +828,9 @@ void Group::close(StatusCode code, const std::string& reason) {
 }
 
 std::optional<std::string> Group::peerFailure(int rank) {
+  if (!engine_->anyFailure_.load(std::memory_order_acquire)) {
+    return std::nullopt;
+  }
   std::string key;
   {
     std::lock_guard<std::mutex> lock(keysMutex_);

@@ -125,6 +125,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
 
   std::mutex failuresMutex_;
   std::unordered_map<std::string, std::string> failures_;  // processKey -> why
+  std::atomic<bool> anyFailure_{false};  // lets the post path skip the lookup
 
   // Progress thread only.
   std::unordered_map<uint64_t, GroupState> groups_;
