@@ -5,6 +5,9 @@
 
 #include "backend/SmFreeBackend.h"
 #include "engine/Engine.h"
+#include "engine/Error.h"
+#include "engine/cuda/DeviceReport.h"
+#include "engine/transports/ucx/UcxReport.h"
 
 namespace {
 
@@ -14,6 +17,32 @@ c10::intrusive_ptr<smfree::SmFreeBackend> createBackend(
     smfree::SmFreeBackend::InnerFactory innerFactory) {
   return c10::make_intrusive<smfree::SmFreeBackend>(store, rank, size, timeout, groupName,
                                                     std::move(innerFactory));
+}
+
+// UCX and GPU facts for `python -m smfree_pg.doctor`; a part that cannot be read says why.
+py::dict doctorReport() {
+  py::dict report;
+  try {
+    const auto ucx = smfree::engine::ucxReport();
+    report["ucx"] = py::dict(py::arg("version") = ucx.version,
+                             py::arg("resources") = ucx.resources);
+  } catch (const smfree::engine::Error& error) {
+    report["ucx"] = py::dict(py::arg("error") = std::string(error.what()));
+  }
+  try {
+    py::list devices;
+    for (const auto& device : smfree::engine::cuda::deviceReports()) {
+      py::dict attributes;
+      for (const auto& [name, value] : device.attributes) attributes[py::str(name)] = value;
+      devices.append(py::dict(py::arg("index") = device.index, py::arg("name") = device.name,
+                              py::arg("attributes") = attributes,
+                              py::arg("peer_access") = device.peerAccess));
+    }
+    report["cuda"] = py::dict(py::arg("devices") = devices);
+  } catch (const smfree::engine::Error& error) {
+    report["cuda"] = py::dict(py::arg("error") = std::string(error.what()));
+  }
+  return report;
 }
 
 }  // namespace
@@ -30,6 +59,8 @@ PYBIND11_MODULE(_C, module) {
            py::call_guard<py::gil_scoped_release>())
       .def("_stats", &smfree::SmFreeBackend::stats, py::call_guard<py::gil_scoped_release>(),
            "Engine-wide counters: live_ops, ipc_mappings, flag_words_in_use.");
+
+  module.def("_doctor", &doctorReport, "UCX and GPU facts for smfree_pg.doctor.");
 
   module.def("_stop_engine", &smfree::engine::Engine::stopProcessEngine,
              py::call_guard<py::gil_scoped_release>(),

@@ -12,7 +12,10 @@ namespace smfree::engine::cuda {
   X(cuGetErrorString)\
   X(cuInit)\
   X(cuDeviceGet)\
+  X(cuDeviceGetCount)\
+  X(cuDeviceGetName)\
   X(cuDeviceGetAttribute)\
+  X(cuDeviceCanAccessPeer)\
   X(cuDevicePrimaryCtxRetain)\
   X(cuCtxPushCurrent)\
   X(cuCtxPopCurrent)\

@@ -1,0 +1,61 @@
+#include "engine/transports/ucx/UcxReport.h"
+
+#include <ucp/api/ucp.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <sstream>
+
+#include "engine/Error.h"
+#include "engine/transports/ucx/UcxWorker.h"
+
+namespace smfree::engine {
+namespace {
+
+struct ContextDeleter {
+  void operator()(ucp_context* context) const { ucp_cleanup(context); }
+};
+
+// ucp_context_print_info writes lines like "#   resource 3  :  md 2  dev 2  flags -- tcp/lo".
+std::vector<std::string> resourcesIn(const std::string& info) {
+  std::vector<std::string> resources;
+  std::istringstream lines(info);
+  for (std::string line; std::getline(lines, line);) {
+    const auto marker = line.find("flags -- ");
+    if (line.find("resource") != std::string::npos && marker != std::string::npos) {
+      resources.push_back(line.substr(marker + 9));
+    }
+  }
+  return resources;
+}
+
+}  // namespace
+
+UcxReport ucxReport() {
+  UcxReport report;
+  report.version = ucp_get_version_string();
+  ucp_params_t params{};
+  params.field_mask = UCP_PARAM_FIELD_FEATURES;
+  params.features = UCP_FEATURE_TAG | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
+  ucp_context_h raw = nullptr;
+  const ucs_status_t status = ucp_init(&params, nullptr, &raw);
+  if (status != UCS_OK) {
+    fail("UCX ucp_init failed: ", ucxStatusText(status));
+  }
+  std::unique_ptr<ucp_context, ContextDeleter> context(raw);
+  char* buffer = nullptr;
+  size_t size = 0;
+  FILE* stream = open_memstream(&buffer, &size);
+  if (!stream) {
+    fail("open_memstream failed");
+  }
+  ucp_context_print_info(context.get(), stream);
+  std::fclose(stream);
+  const std::string info(buffer, size);
+  std::free(buffer);
+  report.resources = resourcesIn(info);
+  return report;
+}
+
+}  // namespace smfree::engine

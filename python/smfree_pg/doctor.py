@@ -1,0 +1,84 @@
+"""What smfree finds on this machine: `python -m smfree_pg.doctor [--json]`.
+
+UCX's version and the transports it sees, each GPU's capabilities that the copy-engine path
+relies on (stream memory operations, remote-write flush, IPC handle types, peer access), and
+the settings that change smfree's behaviour.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+import smfree_pg
+
+SETTINGS_PREFIXES = ("SMFREE_", "UCX_TLS", "UCX_NET_DEVICES", "CUDA_DEVICE_MAX_CONNECTIONS",
+                     "CUDA_VISIBLE_DEVICES", "PYTORCH_CUDA_ALLOC_CONF")
+
+
+def collect() -> dict:
+    from smfree_pg import _C
+
+    report = _C._doctor()
+    report["smfree"] = smfree_pg.__version__
+    report["torch"] = torch.__version__
+    report["settings"] = {key: value for key, value in sorted(os.environ.items())
+                          if key.startswith(SETTINGS_PREFIXES)}
+    report["ptrace_scope"] = _read("/proc/sys/kernel/yama/ptrace_scope")
+    return report
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as handle:
+            return handle.read().strip()
+    except OSError:
+        return None
+
+
+def render(report: dict) -> str:
+    lines = [f"smfree {report['smfree']}, torch {report['torch']}"]
+    ucx = report["ucx"]
+    if "error" in ucx:
+        lines.append(f"UCX: unusable: {ucx['error']}")
+    else:
+        lines.append(f"UCX {ucx['version']}: {len(ucx['resources'])} transports")
+        lines += [f"  {resource}" for resource in ucx["resources"]]
+    scope = report["ptrace_scope"]
+    if scope not in (None, "0"):
+        lines.append(f"kernel.yama.ptrace_scope = {scope}: UCX's CMA and smfree's flag segments "
+                     "need processes of one user to read each other's memory and descriptors")
+    cuda = report["cuda"]
+    if "error" in cuda:
+        lines.append(f"CUDA: {cuda['error']}")
+    else:
+        lines.append(f"CUDA: {len(cuda['devices'])} devices")
+        for device in cuda["devices"]:
+            lines.append(f"  cuda:{device['index']} {device['name']}")
+            lines += [f"    {name}: {value}" for name, value in device["attributes"].items()]
+            peers = [str(j) for j, ok in enumerate(device["peer_access"]) if ok]
+            lines.append(f"    peer access to: {', '.join(peers) if peers else 'none'}")
+    connections = report["settings"].get("CUDA_DEVICE_MAX_CONNECTIONS")
+    if connections is not None:
+        lines.append(f"CUDA_DEVICE_MAX_CONNECTIONS={connections}: streams share hardware queues, "
+                     "which the experimental CUDA path is not yet safe with (README, Design)")
+    lines.append("settings: " + (", ".join(f"{k}={v}" for k, v in report["settings"].items())
+                                 or "none"))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    args = parser.parse_args(argv)
+    report = collect()
+    print(json.dumps(report, indent=2) if args.json else render(report))
+    return 0 if "error" not in report["ucx"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

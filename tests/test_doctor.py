@@ -1,0 +1,33 @@
+"""`python -m smfree_pg.doctor` reports UCX, GPUs and settings."""
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+
+def doctor(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "smfree_pg.doctor", *args], capture_output=True,
+                          text=True, timeout=120, env=dict(os.environ, **(env or {})))
+
+
+def test_json_report_has_ucx_transports_and_gpus():
+    result = doctor("--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["ucx"]["version"].count(".") >= 2
+    assert "tcp/lo" in report["ucx"]["resources"]  # loopback is always there
+    if torch.cuda.is_available():
+        assert len(report["cuda"]["devices"]) == torch.cuda.device_count()
+        assert "flush remote writes" in report["cuda"]["devices"][0]["attributes"]
+    else:
+        assert "libcuda" in report["cuda"]["error"] or report["cuda"].get("devices") == []
+
+
+def test_text_report_warns_about_shared_hardware_queues():
+    result = doctor(env={"CUDA_DEVICE_MAX_CONNECTIONS": "1", "SMFREE_LOG_LEVEL": "info"})
+    assert result.returncode == 0, result.stderr
+    assert "CUDA_DEVICE_MAX_CONNECTIONS=1: streams share hardware queues" in result.stdout
+    assert "SMFREE_LOG_LEVEL=info" in result.stdout
