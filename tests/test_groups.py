@@ -89,3 +89,33 @@ def _many_threads_many_groups(rank, world, threads, rounds):
 
 def test_many_threads_on_many_groups():
     assert run_ranks(_many_threads_many_groups, 2, 6, 50) == [[], []]
+
+
+def _reinitialize(rank, world, store_dir):
+    # destroy_process_group and a new init in the same process: a fresh engine or the same
+    # one, the groups must not collide with the old ones of the same name.
+    import datetime
+    import os
+
+    values = []
+    for round_ in range(3):
+        if round_ > 0:
+            store = os.path.join(store_dir, str(round_))
+            dist.init_process_group("smfree", init_method=f"file://{store}", rank=rank,
+                                    world_size=world, timeout=datetime.timedelta(seconds=30))
+        pp = dist.new_group(list(range(world)), backend="smfree")
+        got = torch.empty(4)
+        ops = [dist.P2POp(dist.isend, torch.full((4,), float(10 * round_ + rank)), 1 - rank, pp),
+               dist.P2POp(dist.irecv, got, 1 - rank, pp)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        values.append(got[0].item())
+        dist.destroy_process_group()
+    dist.init_process_group("smfree", init_method=f"file://{os.path.join(store_dir, 'last')}",
+                            rank=rank, world_size=world)  # for the harness to tear down
+    return values
+
+
+def test_destroy_and_initialize_again(tmp_path):
+    results = run_ranks(_reinitialize, 2, str(tmp_path))
+    assert results == [[10.0 * r + 1 for r in range(3)], [10.0 * r for r in range(3)]]
