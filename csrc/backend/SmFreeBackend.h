@@ -11,7 +11,7 @@
 #include <string>
 
 #include "backend/SmFreeWork.h"
-#include "engine/Engine.h"
+#include "engine/Group.h"
 
 namespace smfree {
 

@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "engine/Engine.h"
+#include "engine/Group.h"
 #include "engine/Status.h"
 
 namespace smfree {

@@ -3,11 +3,11 @@
 #include <poll.h>
 
 #include <algorithm>
-#include <future>
 #include <sstream>
 
 #include "engine/Channel.h"
 #include "engine/Error.h"
+#include "engine/Group.h"
 #include "engine/Log.h"
 #include "engine/channels/cuda_ipc/CopyEngineChannel.h"
 #include "engine/channels/ucx/UcxChannel.h"
@@ -29,8 +29,6 @@ std::weak_ptr<Engine> processEngine;
 int64_t millisSince(Clock::time_point then, Clock::time_point now) {
   return std::chrono::duration_cast<std::chrono::milliseconds>(now - then).count();
 }
-
-std::string peerKey(int rank) { return concat("smfree/peer/", rank); }
 
 std::string crossHostCuda(const Op& op, const Peer& peer) {
   return concat(op.describe(), " failed: rank ", op.partner(), " (", peer.describe(),
@@ -129,28 +127,6 @@ void Engine::submit(std::function<void()> command) {
   worker_->signal();
 }
 
-template <typename T>
-T Engine::call(std::function<T()> command, std::chrono::milliseconds timeout, const char* what) {
-  auto promise = std::make_shared<std::promise<T>>();
-  auto future = promise->get_future();
-  submit([promise, command = std::move(command)] {
-    try {
-      if constexpr (std::is_void_v<T>) {
-        command();
-        promise->set_value();
-      } else {
-        promise->set_value(command());
-      }
-    } catch (...) {
-      promise->set_exception(std::current_exception());
-    }
-  });
-  if (future.wait_for(timeout) != std::future_status::ready) {
-    fail(what, " did not finish within ", timeout.count(), " ms");
-  }
-  return future.get();
-}
-
 std::optional<std::string> Engine::failureOf(const std::string& processKey) {
   if (!anyFailure_.load(std::memory_order_acquire)) {
     return std::nullopt;
@@ -169,7 +145,7 @@ std::shared_ptr<Group> Engine::joinGroup(GroupConfig config, std::shared_ptr<Key
     fail("invalid group '", config.name, "': rank ", config.rank, " of size ", config.size);
   }
   auto shared = std::make_shared<const GroupConfig>(std::move(config));
-  store->set(peerKey(shared->rank), local_.encode());
+  store->set(addressKey(shared->rank), local_.encode());
   call<void>([this, shared] { registerGroup(shared); }, timeout, "registering the group");
   return std::make_shared<Group>(shared_from_this(), shared, std::move(store), timeout);
 }
@@ -742,114 +718,6 @@ Peer* Engine::partnerOf(const Op& op) {
 Channel& Engine::channelFor(const Op& op) {
   if (op.cuda) return *copyEngine_;
   return *ucxChannel_;
-}
-
-// ---------------------------------------------------------------- Group
-
-Group::Group(std::shared_ptr<Engine> engine, std::shared_ptr<const GroupConfig> config,
-             std::shared_ptr<KeyValueStore> store, std::chrono::milliseconds timeout)
-    : engine_(std::move(engine)),
-      config_(std::move(config)),
-      store_(std::move(store)),
-      id_(groupIdOf(config_->name)),
-      timeoutMs_(timeout.count()),
-      connected_(std::make_unique<std::atomic<bool>[]>(config_->size)),
-      processKeys_(config_->size) {
-  for (int rank = 0; rank < config_->size; ++rank) connected_[rank] = false;
-}
-
-Group::~Group() {
-  try {
-    close(StatusCode::kAborted, "the group was destroyed");
-  } catch (const std::exception& error) {
-    log(LogLevel::kWarn, "closing group '", config_->name, "': ", error.what());
-  }
-}
-
-void Group::connect(int rank) {
-  if (connected_[rank].load(std::memory_order_acquire)) {
-    return;
-  }
-  const PeerAddress address = PeerAddress::decode(store_->get(peerKey(rank)));
-  const uint64_t id = id_;
-  Engine* engine = engine_.get();
-  engine_->call<void>([engine, id, rank, address] { engine->attachPeer(id, rank, address); },
-                      timeout(), "connecting to a peer");
-  {
-    std::lock_guard<std::mutex> lock(keysMutex_);
-    processKeys_[rank] = address.processKey;
-  }
-  connected_[rank].store(true, std::memory_order_release);
-}
-
-void Group::connectAll() {
-  for (int rank = 0; rank < config_->size; ++rank) {
-    if (rank != config_->rank) connect(rank);
-  }
-}
-
-std::optional<cuda::Flag> Group::post(OpRequest request) {
-  if (closed_) {
-    fail("group '", config_->name, "' is closed");
-  }
-  if (request.buffer.memory == MemoryKind::kCuda && !engine_->config().cudaP2P) {
-    fail("point-to-point ops on CUDA tensors are experimental and off: back-to-back small "
-         "transfers can stall until the group timeout (see the README). SMFREE_CUDA_P2P=1 "
-         "turns them on");
-  }
-  auto op = std::make_shared<Op>();
-  op->id = engine_->nextOpId();
-  op->request = std::move(request);
-  op->groupId = id_;
-  op->config = config_;
-  std::optional<cuda::Flag> done;
-  if (op->request.buffer.memory == MemoryKind::kCuda) {
-    done = engine_->prepareCuda(*op, timeout());
-  }
-  op->posted = Clock::now();
-  op->deadline = op->posted + timeout();
-  Engine* engine = engine_.get();
-  engine_->submit([engine, op] { engine->startOp(op); });
-  return done;
-}
-
-void Group::waitOnStream(void* stream, int device, const cuda::Flag& flag) {
-  engine_->waitOnStream(stream, device, flag);
-}
-
-void Group::close(StatusCode code, const std::string& reason) {
-  if (closed_.exchange(true)) {
-    return;
-  }
-  const uint64_t id = id_;
-  Engine* engine = engine_.get();
-  engine_->call<void>([engine, id, code, reason] { engine->closeGroup(id, code, reason); },
-                      std::chrono::seconds(60), "closing the group");
-}
-
-std::optional<std::string> Group::peerFailure(int rank) {
-  if (!engine_->anyFailure_.load(std::memory_order_acquire)) {
-    return std::nullopt;
-  }
-  std::string key;
-  {
-    std::lock_guard<std::mutex> lock(keysMutex_);
-    key = processKeys_[rank];
-  }
-  return key.empty() ? std::nullopt : engine_->failureOf(key);
-}
-
-std::string Group::dumpPending() {
-  const uint64_t id = id_;
-  Engine* engine = engine_.get();
-  return engine_->call<std::string>([engine, id] { return engine->dumpPending(id); },
-                                    std::chrono::seconds(10), "dumping pending ops");
-}
-
-std::map<std::string, int64_t> Group::stats() {
-  Engine* engine = engine_.get();
-  return engine_->call<std::map<std::string, int64_t>>([engine] { return engine->stats(); },
-                                                       std::chrono::seconds(10), "reading stats");
 }
 
 }  // namespace smfree::engine

@@ -5,6 +5,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <future>
 #include <map>
 #include <functional>
 #include <memory>
@@ -16,6 +17,7 @@
 #include <vector>
 
 #include "engine/Config.h"
+#include "engine/Error.h"
 #include "engine/GroupState.h"
 #include "engine/Op.h"
 #include "engine/Peer.h"
@@ -135,44 +137,26 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::vector<cuda::Flag> unreachedReadyFlags_;  // freed once their stream has written them
 };
 
-// A member's handle on one group: thread-safe, used by the c10d backend.
-class Group {
- public:
-  Group(std::shared_ptr<Engine> engine, std::shared_ptr<const GroupConfig> config,
-        std::shared_ptr<KeyValueStore> store, std::chrono::milliseconds timeout);
-  ~Group();  // closes the group: its pending ops fail
-  Group(const Group&) = delete;
-  Group& operator=(const Group&) = delete;
-
-  const GroupConfig& config() const { return *config_; }
-  std::chrono::milliseconds timeout() const { return std::chrono::milliseconds(timeoutMs_.load()); }
-  void setTimeout(std::chrono::milliseconds timeout) { timeoutMs_ = timeout.count(); }
-
-  // Makes sure the endpoint to `rank` exists (first use: a store lookup). Throws on failure.
-  void connect(int rank);
-  void connectAll();
-  // Never blocks on the transfer; `request.onComplete` reports the outcome. For a CUDA buffer
-  // it returns the flag that streams wait on (waitOnStream) to see the op done.
-  std::optional<cuda::Flag> post(OpRequest request);
-  void waitOnStream(void* stream, int device, const cuda::Flag& flag);
-  // Fails every pending op with `reason` and refuses new ones; returns once that is done.
-  void close(StatusCode code, const std::string& reason);
-  // Why `rank`'s process is known dead, if it is.
-  std::optional<std::string> peerFailure(int rank);
-  std::string dumpPending();
-  // Engine-wide counters: live ops, open CUDA IPC mappings, flag words in use.
-  std::map<std::string, int64_t> stats();
-
- private:
-  std::shared_ptr<Engine> engine_;
-  std::shared_ptr<const GroupConfig> config_;
-  std::shared_ptr<KeyValueStore> store_;
-  uint64_t id_;
-  std::atomic<int64_t> timeoutMs_;
-  std::unique_ptr<std::atomic<bool>[]> connected_;
-  std::mutex keysMutex_;
-  std::vector<std::string> processKeys_;  // by rank, once connected
-  std::atomic<bool> closed_{false};
-};
+template <typename T>
+T Engine::call(std::function<T()> command, std::chrono::milliseconds timeout, const char* what) {
+  auto promise = std::make_shared<std::promise<T>>();
+  auto future = promise->get_future();
+  submit([promise, command = std::move(command)] {
+    try {
+      if constexpr (std::is_void_v<T>) {
+        command();
+        promise->set_value();
+      } else {
+        promise->set_value(command());
+      }
+    } catch (...) {
+      promise->set_exception(std::current_exception());
+    }
+  });
+  if (future.wait_for(timeout) != std::future_status::ready) {
+    fail(what, " did not finish within ", timeout.count(), " ms");
+  }
+  return future.get();
+}
 
 }  // namespace smfree::engine

@@ -91,6 +91,8 @@ PeerAddress PeerAddress::local(std::vector<uint8_t> workerAddress, std::string f
   return address;
 }
 
+std::string addressKey(int rank) { return concat("smfree/peer/", rank); }
+
 std::string Peer::describe() const {
   return concat("pid ", address.pid, " on host ", address.hostname);
 }

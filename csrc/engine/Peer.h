@@ -24,6 +24,9 @@ struct PeerAddress {
   static PeerAddress local(std::vector<uint8_t> workerAddress, std::string flagSegment);
 };
 
+// Where a group's rank publishes its PeerAddress in the group's store.
+std::string addressKey(int rank);
+
 // A remote process, shared by every group that reaches it.
 struct Peer {
   PeerAddress address;

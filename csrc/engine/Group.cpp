@@ -1,0 +1,115 @@
+#include "engine/Group.h"
+
+#include "engine/Error.h"
+#include "engine/Log.h"
+
+namespace smfree::engine {
+
+
+Group::Group(std::shared_ptr<Engine> engine, std::shared_ptr<const GroupConfig> config,
+             std::shared_ptr<KeyValueStore> store, std::chrono::milliseconds timeout)
+    : engine_(std::move(engine)),
+      config_(std::move(config)),
+      store_(std::move(store)),
+      id_(groupIdOf(config_->name)),
+      timeoutMs_(timeout.count()),
+      connected_(std::make_unique<std::atomic<bool>[]>(config_->size)),
+      processKeys_(config_->size) {
+  for (int rank = 0; rank < config_->size; ++rank) connected_[rank] = false;
+}
+
+Group::~Group() {
+  try {
+    close(StatusCode::kAborted, "the group was destroyed");
+  } catch (const std::exception& error) {
+    log(LogLevel::kWarn, "closing group '", config_->name, "': ", error.what());
+  }
+}
+
+void Group::connect(int rank) {
+  if (connected_[rank].load(std::memory_order_acquire)) {
+    return;
+  }
+  const PeerAddress address = PeerAddress::decode(store_->get(addressKey(rank)));
+  const uint64_t id = id_;
+  Engine* engine = engine_.get();
+  engine_->call<void>([engine, id, rank, address] { engine->attachPeer(id, rank, address); },
+                      timeout(), "connecting to a peer");
+  {
+    std::lock_guard<std::mutex> lock(keysMutex_);
+    processKeys_[rank] = address.processKey;
+  }
+  connected_[rank].store(true, std::memory_order_release);
+}
+
+void Group::connectAll() {
+  for (int rank = 0; rank < config_->size; ++rank) {
+    if (rank != config_->rank) connect(rank);
+  }
+}
+
+std::optional<cuda::Flag> Group::post(OpRequest request) {
+  if (closed_) {
+    fail("group '", config_->name, "' is closed");
+  }
+  if (request.buffer.memory == MemoryKind::kCuda && !engine_->config().cudaP2P) {
+    fail("point-to-point ops on CUDA tensors are experimental and off: back-to-back small "
+         "transfers can stall until the group timeout (see the README). SMFREE_CUDA_P2P=1 "
+         "turns them on");
+  }
+  auto op = std::make_shared<Op>();
+  op->id = engine_->nextOpId();
+  op->request = std::move(request);
+  op->groupId = id_;
+  op->config = config_;
+  std::optional<cuda::Flag> done;
+  if (op->request.buffer.memory == MemoryKind::kCuda) {
+    done = engine_->prepareCuda(*op, timeout());
+  }
+  op->posted = Clock::now();
+  op->deadline = op->posted + timeout();
+  Engine* engine = engine_.get();
+  engine_->submit([engine, op] { engine->startOp(op); });
+  return done;
+}
+
+void Group::waitOnStream(void* stream, int device, const cuda::Flag& flag) {
+  engine_->waitOnStream(stream, device, flag);
+}
+
+void Group::close(StatusCode code, const std::string& reason) {
+  if (closed_.exchange(true)) {
+    return;
+  }
+  const uint64_t id = id_;
+  Engine* engine = engine_.get();
+  engine_->call<void>([engine, id, code, reason] { engine->closeGroup(id, code, reason); },
+                      std::chrono::seconds(60), "closing the group");
+}
+
+std::optional<std::string> Group::peerFailure(int rank) {
+  if (!engine_->anyFailure_.load(std::memory_order_acquire)) {
+    return std::nullopt;
+  }
+  std::string key;
+  {
+    std::lock_guard<std::mutex> lock(keysMutex_);
+    key = processKeys_[rank];
+  }
+  return key.empty() ? std::nullopt : engine_->failureOf(key);
+}
+
+std::string Group::dumpPending() {
+  const uint64_t id = id_;
+  Engine* engine = engine_.get();
+  return engine_->call<std::string>([engine, id] { return engine->dumpPending(id); },
+                                    std::chrono::seconds(10), "dumping pending ops");
+}
+
+std::map<std::string, int64_t> Group::stats() {
+  Engine* engine = engine_.get();
+  return engine_->call<std::map<std::string, int64_t>>([engine] { return engine->stats(); },
+                                                       std::chrono::seconds(10), "reading stats");
+}
+
+}  // namespace smfree::engine

@@ -1,0 +1,57 @@
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "engine/Engine.h"
+
+namespace smfree::engine {
+
+// A member's handle on one group: thread-safe, used by the c10d backend.
+class Group {
+ public:
+  Group(std::shared_ptr<Engine> engine, std::shared_ptr<const GroupConfig> config,
+        std::shared_ptr<KeyValueStore> store, std::chrono::milliseconds timeout);
+  ~Group();  // closes the group: its pending ops fail
+  Group(const Group&) = delete;
+  Group& operator=(const Group&) = delete;
+
+  const GroupConfig& config() const { return *config_; }
+  std::chrono::milliseconds timeout() const { return std::chrono::milliseconds(timeoutMs_.load()); }
+  void setTimeout(std::chrono::milliseconds timeout) { timeoutMs_ = timeout.count(); }
+
+  // Makes sure the endpoint to `rank` exists (first use: a store lookup). Throws on failure.
+  void connect(int rank);
+  void connectAll();
+  // Never blocks on the transfer; `request.onComplete` reports the outcome. For a CUDA buffer
+  // it returns the flag that streams wait on (waitOnStream) to see the op done.
+  std::optional<cuda::Flag> post(OpRequest request);
+  void waitOnStream(void* stream, int device, const cuda::Flag& flag);
+  // Fails every pending op with `reason` and refuses new ones; returns once that is done.
+  void close(StatusCode code, const std::string& reason);
+  // Why `rank`'s process is known dead, if it is.
+  std::optional<std::string> peerFailure(int rank);
+  std::string dumpPending();
+  // Engine-wide counters: live ops, open CUDA IPC mappings, flag words in use.
+  std::map<std::string, int64_t> stats();
+
+ private:
+  std::shared_ptr<Engine> engine_;
+  std::shared_ptr<const GroupConfig> config_;
+  std::shared_ptr<KeyValueStore> store_;
+  uint64_t id_;
+  std::atomic<int64_t> timeoutMs_;
+  std::unique_ptr<std::atomic<bool>[]> connected_;
+  std::mutex keysMutex_;
+  std::vector<std::string> processKeys_;  // by rank, once connected
+  std::atomic<bool> closed_{false};
+};
+
+}  // namespace smfree::engine
