@@ -467,8 +467,10 @@ void Engine::onClearToSend(const ClearToSend& message) {
     if (receiver && message.recvId != 0) {
       sendControl(*receiver,
                   Cancellation{message.group, group->config->rank, 0, 0, message.recvId,
-                               send ? concat("the matching ", send->describe(), " had already failed")
-                                    : std::string("the matching send had already failed")});
+                               send ? concat("the matching send gave up: ", send->describe(),
+                                             " had already failed")
+                                    : concat("the matching send gave up: rank ",
+                                             group->config->rank, " had already failed it")});
     }
     return;
   }
