@@ -91,8 +91,8 @@ c10::intrusive_ptr<c10d::Work> SmFreeBackend::pointToPoint(engine::OpKind kind,
   auto work = c10::make_intrusive<SmFreeWork>(
       isSend ? c10d::OpType::SEND : (peer == engine::kAnySource ? c10d::OpType::RECVANYSOURCE
                                                                  : c10d::OpType::RECV),
-      c10::str(op, peer == engine::kAnySource ? "" : c10::str(" rank ", peer), " (tag ", tag,
-               ", ", tensor.nbytes(), " B)"),
+      WorkLabel{op, peer == engine::kAnySource ? WorkLabel::kNoPeer : peer, tag,
+                static_cast<int64_t>(tensor.nbytes())},
       std::vector<at::Tensor>{tensor});
   work->expectOp();
   work->seal();
@@ -152,7 +152,7 @@ void SmFreeBackend::startCoalescing() {
   checkOpen("startCoalescing");
   std::lock_guard<std::mutex> lock(coalescingMutex_);
   TORCH_CHECK(!batch_, "smfree: startCoalescing called twice without endCoalescing");
-  batch_ = c10::make_intrusive<SmFreeWork>(c10d::OpType::COALESCED, "coalesced batch",
+  batch_ = c10::make_intrusive<SmFreeWork>(c10d::OpType::COALESCED, WorkLabel{"coalesced batch"},
                                            std::vector<at::Tensor>{});
 }
 

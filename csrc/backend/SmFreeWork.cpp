@@ -9,9 +9,17 @@
 
 namespace smfree {
 
-SmFreeWork::SmFreeWork(c10d::OpType type, std::string what, std::vector<at::Tensor> tensors)
+std::string WorkLabel::describe() const {
+  if (bytes < 0) {
+    return op;
+  }
+  return c10::str(op, peer == kNoPeer ? "" : c10::str(" rank ", peer), " (tag ", tag, ", ", bytes,
+                  " B)");
+}
+
+SmFreeWork::SmFreeWork(c10d::OpType type, WorkLabel label, std::vector<at::Tensor> tensors)
     : c10d::Work(-1, type),
-      what_(std::move(what)),
+      label_(label),
       tensors_(std::move(tensors)),
       future_(c10::make_intrusive<c10::ivalue::Future>(
           c10::ListType::create(c10::TensorType::get()))) {}
@@ -80,7 +88,8 @@ std::exception_ptr SmFreeWork::exception() const {
 int SmFreeWork::sourceRank() const {
   std::lock_guard<std::mutex> lock(stateMutex_);
   TORCH_CHECK(finished_ && source_ >= 0,
-              "smfree: sourceRank() is known only once a recv has completed (", what_, ")");
+              "smfree: sourceRank() is known only once a recv has completed (",
+              label_.describe(), ")");
   return source_;
 }
 
@@ -122,8 +131,8 @@ void SmFreeWork::waitFinished(std::chrono::milliseconds timeout) {
     // Ops carry the group timeout, so this wait ends.
     done_.wait(lock, [this] { return finished_; });
   } else if (!done_.wait_for(lock, timeout, [this] { return finished_; })) {
-    throwTimeout(c10::str("smfree: wait(timeout=", timeout.count(), " ms) expired; ", what_,
-                          " is still pending"));
+    throwTimeout(c10::str("smfree: wait(timeout=", timeout.count(), " ms) expired; ",
+                          label_.describe(), " is still pending"));
   }
 }
 

@@ -13,11 +13,23 @@
 
 namespace smfree {
 
+// What a Work is for, kept as parts: formatted only when an error message needs it, so the
+// post path builds no string.
+struct WorkLabel {
+  const char* op;           // "send", "recv", "coalesced batch", ...
+  int peer = kNoPeer;       // a group rank, or kNoPeer
+  int tag = 0;
+  int64_t bytes = -1;       // -1 for a batch
+
+  static constexpr int kNoPeer = -2;
+  std::string describe() const;  // e.g. "send rank 1 (tag 0, 64 B)"
+};
+
 // The Work of one op, or of a coalesced batch. Ops report into it from the engine's
 // progress thread; it completes once it is sealed and every op it expects has reported.
 class SmFreeWork final : public c10d::Work {
  public:
-  SmFreeWork(c10d::OpType type, std::string what, std::vector<at::Tensor> tensors);
+  SmFreeWork(c10d::OpType type, WorkLabel label, std::vector<at::Tensor> tensors);
 
   void expectOp();  // one more op will report
   // A CUDA op: wait() makes the current stream wait for `done` instead of blocking the CPU.
@@ -44,7 +56,7 @@ class SmFreeWork final : public c10d::Work {
     engine::cuda::Flag done;
   };
 
-  const std::string what_;  // for error messages: "send to rank 1 (tag 0)"
+  const WorkLabel label_;
   const std::vector<at::Tensor> tensors_;
   const c10::intrusive_ptr<c10::ivalue::Future> future_;
 

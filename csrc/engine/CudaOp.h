@@ -9,7 +9,6 @@ struct CudaOpState {
   cuda::Flag ready;  // the caller's stream reached the op: src produced / dst free
   cuda::Flag done;   // what user streams wait on: set by the copy, or by the CPU on failure
   cuda::Flag moved;  // set only by the copy, so nothing is freed while it may still run
-  bool moveStarted = false;  // recv: cleared the sender; send: copy enqueued
 };
 
 }  // namespace smfree::engine

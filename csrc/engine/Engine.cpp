@@ -419,7 +419,6 @@ void Engine::onMatched(GroupState& group, Matcher::Match& match) {
     return;
   }
   recv->source = rts.source;
-  recv->seq = rts.seq;
   if (recv->cuda && !sender->sameHost && rts.desc.compatibleWith(recv->request.desc)) {
     const std::string why = crossHostCuda(*recv, *sender);
     complete(recv, Status::failure(StatusCode::kTransport, why));

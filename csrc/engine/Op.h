@@ -60,7 +60,7 @@ struct Op {
   Clock::time_point deadline;
 
   Phase phase = Phase::kPosted;
-  uint64_t seq = 0;        // position in the (group, sender, receiver, tag) stream
+  uint64_t seq = 0;        // send: position in its (group, receiver, tag) stream
   int source = -1;         // recv: the rank it was matched with
   int outstanding = 0;     // transport requests that still reference the buffer
   bool released = false;

@@ -35,7 +35,6 @@ std::string CopyEngineChannel::armRecv(const std::shared_ptr<Op>& recv, Peer& so
   CudaOpState& state = *recv->cuda;
   Clearance clearance{cuda::exportBuffer(recv->request.buffer.data, recv->request.buffer.device),
                       state.ready, state.done, state.moved};
-  state.moveStarted = true;
   ++recv->outstanding;
   moving_.push_back(Transfer{recv, &source, std::nullopt});
   return toBytes(clearance);
@@ -68,11 +67,9 @@ bool CopyEngineChannel::progress() {
       moving_.splice(moving_.end(), waiting_, it++);
     } catch (const Error& error) {
       // The receiver is not told; its recv times out. A failed enqueue means a broken context.
-      --send.op->outstanding;
-      flags_.set(send.op->cuda->done);
-      onDone_(send.op, Status::failure(StatusCode::kTransport,
-                                       concat(send.op->describe(), ": ", error.what())));
-      it = waiting_.erase(it);
+      it = abandon(waiting_, it,
+                   Status::failure(StatusCode::kTransport,
+                                   concat(send.op->describe(), ": ", error.what())));
     }
     moved = true;
   }
@@ -112,7 +109,6 @@ void CopyEngineChannel::enqueueCopy(Transfer& send) {
                                        CU_STREAM_WRITE_VALUE_DEFAULT),
                 "cuStreamWriteValue32");
   }
-  op.cuda->moveStarted = true;
 }
 
 bool CopyEngineChannel::finishMove(Transfer& transfer) {
@@ -145,15 +141,21 @@ void CopyEngineChannel::cancel(Op& op) {
     if (!it->peer->failed) {
       it->peer->flags->set(it->clearance->moved);  // `moved` without `done`: given up
     }
-    flags_.set(op.cuda->done);
-    --op.outstanding;
-    auto transfer = std::move(*it);
-    waiting_.erase(it);
-    onDone_(transfer.op, Status::failure(StatusCode::kAborted,
-                                         concat(op.describe(), " was cancelled")));
+    abandon(waiting_, it,
+            Status::failure(StatusCode::kAborted, concat(op.describe(), " was cancelled")));
     return;
   }
   // An enqueued copy waits for nothing and finishes by itself.
+}
+
+std::list<CopyEngineChannel::Transfer>::iterator CopyEngineChannel::abandon(
+    std::list<Transfer>& transfers, std::list<Transfer>::iterator it, const Status& status) {
+  const std::shared_ptr<Op> op = it->op;
+  flags_.set(op->cuda->done);  // no user stream stays parked on it
+  --op->outstanding;
+  it = transfers.erase(it);
+  onDone_(op, status);
+  return it;
 }
 
 void CopyEngineChannel::peerFailed(Peer& peer) {
@@ -165,11 +167,7 @@ void CopyEngineChannel::peerFailed(Peer& peer) {
         continue;
       }
       // A dead sender's copy will never come; a send to it was never enqueued.
-      flags_.set(it->op->cuda->done);
-      --it->op->outstanding;
-      auto transfer = std::move(*it);
-      it = transfers.erase(it);
-      onDone_(transfer.op, gone);
+      it = abandon(transfers, it, gone);
     }
   };
   fails(waiting_, false);

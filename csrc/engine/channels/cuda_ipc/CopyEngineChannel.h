@@ -56,6 +56,9 @@ class CopyEngineChannel final : public Channel {
   };
 
   void enqueueCopy(Transfer& send);
+  // Ends a transfer that will not move its bytes: releases stream waits and the buffer.
+  std::list<Transfer>::iterator abandon(std::list<Transfer>& transfers,
+                                        std::list<Transfer>::iterator it, const Status& status);
   bool finishMove(Transfer& transfer);
   CUstream dmaStream(int localDevice, int peerDevice);
 
