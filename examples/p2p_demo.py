@@ -210,8 +210,6 @@ def setup() -> tuple[str, torch.device]:
         local_rank = int(os.environ["LOCAL_RANK"])
         torch.cuda.set_device(local_rank)
         ref, device = "nccl", torch.device("cuda", local_rank)
-        # CUDA point-to-point is opt-in while experimental (see the README).
-        os.environ.setdefault("SMFREE_CUDA_P2P", "1")
     else:
         ref, device = "gloo", torch.device("cpu")
     dist.init_process_group(backend=ref)

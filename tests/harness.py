@@ -69,12 +69,11 @@ def run_ranks(
     """Values returned by `fn` on each rank, in rank order.
 
     Ranks listed in `expect_exit` may end without a result (they kill themselves). With
-    `cuda`, rank r uses cuda:r and the (opt-in) copy-engine path is on. `env` is added to each
-    rank's environment.
+    `cuda`, rank r uses cuda:r. `env` is added to each rank's environment.
     """
     env = dict(env or {})
     if cuda:
-        env.update(SMFREE_TEST_CUDA="1", SMFREE_CUDA_P2P="1")
+        env.update(SMFREE_TEST_CUDA="1")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:

@@ -69,6 +69,21 @@ def test_dtypes_and_sizes_zero_bytes_to_1_gib():
         [len(DTYPES) + len(sizes)] * 2
 
 
+@pytest.mark.parametrize("connections", ["1", "2"])
+def test_streams_sharing_one_hardware_queue(connections):
+    # Megatron runs with CUDA_DEVICE_MAX_CONNECTIONS=1: every stream of a process, the DMA
+    # streams included, shares one hardware queue, so a stream wait queued ahead of the copy
+    # that ends it would hold that copy back forever. Back-to-back exchanges of fresh
+    # tensors with CPU syncs between them, then PP = 2 traffic on two streams.
+    env = {"CUDA_DEVICE_MAX_CONNECTIONS": connections}
+    sizes = [0, 1, 4097, 1 << 20]
+    assert run_ranks(_dtypes_and_sizes, 2, sizes, cuda=True, env=env) == \
+        [len(DTYPES) + len(sizes)] * 2
+    steps = 12
+    for rank, seen in enumerate(run_ranks(_pp2_one_peer, 2, steps, cuda=True, env=env)):
+        assert seen == [float(s) + (1 - rank) for s in range(steps)]
+
+
 def _views(rank, world):
     dev = torch.device("cuda", rank)
     peer = 1 - rank
@@ -366,26 +381,34 @@ def test_cuda_size_mismatch_fails_on_both_ranks():
 
 def _peer_dies(rank, world):
     dev = torch.device("cuda", rank)
+    exchange(torch.ones(4, device=dev), torch.empty(4, device=dev), 1 - rank)  # connect first
+    torch.cuda.synchronize()
     if rank == 1:
-        dist.barrier()
-        time.sleep(0.2)
-        os._exit(1)
+        mine = torch.ones(1 << 24, device=dev)
+        torch.cuda._sleep(1 << 40)  # minutes of GPU work before the source is ready
+        work = dist.isend(mine, 0)
+        work.wait()  # returns once the copy is submitted; on the GPU it still waits
+        os._exit(1)  # dies mid-transfer: the copy will never run
     got = torch.zeros(1 << 24, device=dev)
     work = dist.irecv(got, 1)
-    work.wait()  # the current stream now waits for a transfer that will never come
+    work.wait()  # returns once the sender submitted its copy; the stream now waits for it
     marker = torch.ones(1, device=dev)  # queued behind that wait
-    dist.barrier()
     started = time.monotonic()
-    torch.cuda.synchronize()  # returns once the failure released the stream
+    torch.cuda.synchronize()  # returns once the sender's death released the stream
     waited = time.monotonic() - started
-    return waited, marker.item(), str(work.exception())
+    try:
+        work.wait()
+        error = None
+    except dist.DistBackendError as failure:
+        error = str(failure)
+    return waited, marker.item(), error
 
 
 def test_dead_peer_leaves_no_stream_parked():
     waited, marker, error = run_ranks(_peer_dies, 2, cuda=True, group_timeout_s=60,
                                       expect_exit=(1,))[0]
     assert waited < 30 and marker == 1.0
-    assert "its peer process" in error
+    assert error and "its peer process" in error
 
 
 def _dropped_tensors(rank, world):

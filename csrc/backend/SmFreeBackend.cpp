@@ -126,10 +126,10 @@ c10::intrusive_ptr<c10d::Work> SmFreeBackend::pointToPoint(engine::OpKind kind,
     if (batch) batch->onOpDone(status, source);
   };
   try {
-    if (auto done = group_->post(std::move(request))) {
+    if (auto fence = group_->post(std::move(request))) {
       const int device = tensor.device().index();
-      work->addStreamFence(group_, device, *done);
-      if (batch) batch->addStreamFence(group_, device, *done);
+      work->addStreamFence(group_, device, *fence);
+      if (batch) batch->addStreamFence(group_, device, *fence);
     }
   } catch (const engine::Error& error) {
     C10_THROW_ERROR(DistBackendError, error.what());

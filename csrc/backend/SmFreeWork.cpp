@@ -31,9 +31,9 @@ void SmFreeWork::expectOp() {
 }
 
 void SmFreeWork::addStreamFence(std::shared_ptr<engine::Group> group, int device,
-                                engine::cuda::Flag done) {
+                                engine::CudaFence fence) {
   std::lock_guard<std::mutex> lock(stateMutex_);
-  fences_.push_back(StreamFence{std::move(group), device, done});
+  fences_.push_back(StreamFence{std::move(group), device, fence});
 }
 
 void SmFreeWork::seal() {
@@ -101,10 +101,18 @@ bool SmFreeWork::wait(std::chrono::milliseconds timeout) {
     std::lock_guard<std::mutex> lock(stateMutex_);
     fences = fences_;
   }
-  // As with NCCL: CUDA work makes the current stream wait and leaves the CPU free, unless a
-  // timeout asks for the CPU to wait too.
-  if (fences.empty() || timeout != kNoTimeout) {
-    waitFinished(timeout);
+  // CUDA work makes the current stream wait for the copy, as with NCCL. The CPU waits only
+  // until the partner has posted and the copy is submitted (never for the bytes), unless a
+  // timeout asks it to wait for the end.
+  try {
+    if (fences.empty() || timeout != kNoTimeout) {
+      waitFinished(timeout);
+    } else {
+      for (const StreamFence& fence : fences) fence.group->awaitQueued(fence.fence);
+    }
+  } catch (const engine::Error& error) {
+    C10_THROW_ERROR(DistBackendError,
+                    c10::str("smfree: wait() on ", label_.describe(), ": ", error.what()));
   }
   {
     std::lock_guard<std::mutex> lock(stateMutex_);
@@ -117,7 +125,7 @@ bool SmFreeWork::wait(std::chrono::milliseconds timeout) {
     const c10::Stream current =
         c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(device);
     try {
-      fence.group->waitOnStream(current.native_handle(), fence.device, fence.done);
+      fence.group->waitOnStream(current.native_handle(), fence.device, fence.fence);
     } catch (const engine::Error& error) {
       C10_THROW_ERROR(DistBackendError, error.what());
     }

@@ -32,8 +32,8 @@ class SmFreeWork final : public c10d::Work {
   SmFreeWork(c10d::OpType type, WorkLabel label, std::vector<at::Tensor> tensors);
 
   void expectOp();  // one more op will report
-  // A CUDA op: wait() makes the current stream wait for `done` instead of blocking the CPU.
-  void addStreamFence(std::shared_ptr<engine::Group> group, int device, engine::cuda::Flag done);
+  // A CUDA op: wait() makes the current stream wait for it rather than the CPU (see wait()).
+  void addStreamFence(std::shared_ptr<engine::Group> group, int device, engine::CudaFence fence);
   void seal();      // no more ops will be added
   void onOpDone(const engine::Status& status, int source);
 
@@ -53,7 +53,7 @@ class SmFreeWork final : public c10d::Work {
   struct StreamFence {
     std::shared_ptr<engine::Group> group;
     int device;
-    engine::cuda::Flag done;
+    engine::CudaFence fence;
   };
 
   const WorkLabel label_;

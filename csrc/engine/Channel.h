@@ -24,8 +24,11 @@ class Channel {
   // Sender: deliver the bytes, given what armRecv returned on the receiver.
   virtual void startSend(const std::shared_ptr<Op>& send, Peer& destination,
                          const std::string& channelData) = 0;
-  // Stop an op's transfer early; its Done still follows.
+  // The op has failed: stop its transfer where possible. Done still follows once the channel
+  // no longer touches the buffer.
   virtual void cancel(Op& op) = 0;
+  // The partner told us it will never move this op's bytes.
+  virtual void partnerGaveUp(Op& op) { cancel(op); }
   // Channels that watch memory rather than wait for events are driven from the progress loop.
   virtual bool progress() { return false; }
   virtual bool busy() const { return false; }

@@ -5,6 +5,7 @@
 
 #include "engine/Error.h"
 #include "engine/Log.h"
+#include "engine/CudaOp.h"
 
 namespace smfree::engine {
 namespace {
@@ -42,10 +43,10 @@ Config Config::fromEnv() {
   if (config.ipcCacheSize == 0) {
     fail("SMFREE_IPC_CACHE_SIZE must be at least 1");
   }
-  config.cudaP2P = parseNonNegative("SMFREE_CUDA_P2P", 0) != 0;
-  config.maxCudaOps = static_cast<size_t>(parseNonNegative("SMFREE_MAX_CUDA_OPS", 128));
-  if (config.maxCudaOps == 0) {
-    fail("SMFREE_MAX_CUDA_OPS must be at least 1");
+  config.maxCudaOps = static_cast<size_t>(parseNonNegative("SMFREE_MAX_CUDA_OPS", 1024));
+  constexpr size_t kMostCudaOps = cuda::FlagSegment::kWords / kFlagsPerCudaOp;
+  if (config.maxCudaOps == 0 || config.maxCudaOps > kMostCudaOps) {
+    fail("SMFREE_MAX_CUDA_OPS must be between 1 and ", kMostCudaOps);
   }
   return config;
 }

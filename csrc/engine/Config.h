@@ -16,9 +16,6 @@ struct Config {
   std::chrono::milliseconds peerCheck;
   // Most CUDA IPC mappings of peers' buffers kept open at once.
   size_t ipcCacheSize;
-  // SMFREE_CUDA_P2P=1: CUDA tensors in point-to-point ops use the copy-engine channel, which
-  // is experimental (see the README); off, they are refused with that reason.
-  bool cudaP2P;
   // Most CUDA ops a process keeps in flight before a new one waits (SMFREE_MAX_CUDA_OPS).
   size_t maxCudaOps;
 

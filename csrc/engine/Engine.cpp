@@ -301,8 +301,9 @@ void Engine::closeGroup(uint64_t groupId, StatusCode code, const std::string& re
     if (op->groupId == groupId && !op->finished()) affected.push_back(op);
   }
   for (auto& op : affected) {
-    if (op->phase == Op::Phase::kMoving) channelFor(*op).cancel(*op);
+    const bool moving = op->phase == Op::Phase::kMoving;
     complete(op, Status::failure(code, concat(op->describe(), " failed: ", reason)));
+    if (moving) channelFor(*op).cancel(*op);
   }
   group->matcher.clear();
 }
@@ -505,9 +506,10 @@ void Engine::onCancellation(const Cancellation& message) {
   if (message.recvId != 0) {
     std::shared_ptr<Op> recv = findLive(message.recvId);
     if (recv && !recv->finished()) {
-      if (recv->phase == Op::Phase::kMoving) channelFor(*recv).cancel(*recv);
+      const bool moving = recv->phase == Op::Phase::kMoving;
       complete(recv, Status::failure(StatusCode::kTimeout,
                                      concat(recv->describe(), " failed: ", message.reason)));
+      if (moving) channelFor(*recv).partnerGaveUp(*recv);
     }
     return;
   }
@@ -542,9 +544,10 @@ void Engine::onPeerFailure(const std::string& processKey, const std::string& why
   const bool matters = !affected.empty() || referencedByOpenGroup(peer);
   log(matters ? LogLevel::kWarn : LogLevel::kDebug, "peer ", peer.describe(), " failed: ", why);
   for (auto& op : affected) {
-    if (op->phase == Op::Phase::kMoving) channelFor(*op).cancel(*op);
+    const bool moving = op->phase == Op::Phase::kMoving;
     complete(op, Status::failure(StatusCode::kPeerFailure,
                                  concat(op->describe(), " failed: ", peer.failure)));
+    if (moving) channelFor(*op).cancel(*op);
   }
   copyEngine_->peerFailed(peer);
 }
@@ -573,10 +576,10 @@ void Engine::expire(const std::shared_ptr<Op>& op, Clock::time_point now) {
       op->describe(),
       moving ? " did not finish" : (op->isSend() ? " was not matched by a recv" : " was not matched by a send"),
       " within the group timeout of ", limit, " ms (posted ", age, " ms ago)");
+  complete(op, Status::failure(StatusCode::kTimeout, why));
   if (moving) {
     channelFor(*op).cancel(*op);
   }
-  complete(op, Status::failure(StatusCode::kTimeout, why));
   // An announced send still holds a place in the receiver's line: tell it the send gave up.
   if (op->isSend() && !moving) {
     if (Peer* peer = partnerOf(*op); peer && !peer->failed) {
@@ -591,10 +594,6 @@ void Engine::complete(const std::shared_ptr<Op>& op, const Status& status) {
     return;
   }
   op->phase = Op::Phase::kDone;
-  // No copy will write `done` for a failed op or an empty one: no user stream stays parked.
-  if (op->cuda && (!status.ok() || op->request.desc.bytes == 0)) {
-    flags_->set(op->cuda->done);
-  }
   OpCallback callback = std::move(op->request.onComplete);
   op->request.onComplete = nullptr;
   if (callback) {
@@ -603,6 +602,12 @@ void Engine::complete(const std::shared_ptr<Op>& op, const Status& status) {
     } catch (const std::exception& error) {
       log(LogLevel::kError, "completion callback of ", op->describe(), " threw: ", error.what());
     }
+  }
+  // No copy will write `done` for a failed op or an empty one: no user stream stays parked.
+  // After the callback, so a caller that sees `queued` also sees the error.
+  if (op->cuda && (!status.ok() || op->request.desc.bytes == 0)) {
+    flags_->set(op->cuda->queued);
+    flags_->set(op->cuda->done);
   }
   release(op);
 }
@@ -615,6 +620,7 @@ void Engine::release(const std::shared_ptr<Op>& op) {
   op->request.keepalive.reset();
   if (op->cuda) {
     // No copy can touch `done` or `moved` any more; `ready` waits for its own stream.
+    flags_->release(op->cuda->queued);
     flags_->release(op->cuda->done);
     flags_->release(op->cuda->moved);
     if (flags_->isSet(op->cuda->ready)) {
@@ -652,10 +658,11 @@ void Engine::retireCuda() {
   cudaInflightFreed_.notify_one();
 }
 
-cuda::Flag Engine::prepareCuda(Op& op, std::chrono::milliseconds timeout) {
+CudaFence Engine::prepareCuda(Op& op, std::chrono::milliseconds timeout) {
   admitCuda(timeout);
   CudaOpState state;
   state.ready = flags_->acquire();
+  state.queued = flags_->acquire();
   state.done = flags_->acquire();
   state.moved = flags_->acquire();
   try {
@@ -666,15 +673,36 @@ cuda::Flag Engine::prepareCuda(Op& op, std::chrono::milliseconds timeout) {
                     state.ready.value, CU_STREAM_WRITE_VALUE_DEFAULT),
                 "cuStreamWriteValue32 (ready)");
   } catch (...) {
-    for (const auto& flag : {state.ready, state.done, state.moved}) flags_->release(flag);
+    for (const auto& flag : {state.ready, state.queued, state.done, state.moved}) {
+      flags_->release(flag);
+    }
     retireCuda();
     throw;
   }
   op.cuda = state;
-  return state.done;
+  return CudaFence{state.queued, state.done};
 }
 
-void Engine::waitOnStream(void* stream, int device, const cuda::Flag& flag) {
+void Engine::awaitQueued(const cuda::Flag& queued, Clock::time_point deadline) {
+  // Short: the partner has usually posted already. The op's own timeout sets `queued`
+  // before `deadline` comes.
+  const auto spinUntil = Clock::now() + config_.spin;
+  auto nap = std::chrono::microseconds(10);
+  while (!flags_->isSet(queued)) {
+    const auto now = Clock::now();
+    if (now >= deadline) {
+      fail("the partner's copy was not submitted before the deadline");
+    }
+    if (now < spinUntil) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(nap);
+      nap = std::min(nap * 2, std::chrono::microseconds(500));
+    }
+  }
+}
+
+void Engine::waitOnStream(void* stream, int device, const cuda::Flag& done) {
   cuda::ContextGuard context(device);
   // The flag says a peer's copy engine finished writing our memory over NVLink; the flush
   // makes those writes visible to the work queued after the wait.
@@ -682,7 +710,7 @@ void Engine::waitOnStream(void* stream, int device, const cuda::Flag& flag) {
       CU_STREAM_WAIT_VALUE_GEQ | (cuda::canFlushRemoteWrites(device) ? CU_STREAM_WAIT_VALUE_FLUSH : 0);
   cuda::check(cuda::driver().cuStreamWaitValue32(
                   static_cast<CUstream>(stream),
-                  reinterpret_cast<CUdeviceptr>(flags_->cudaAddress(flag.index)), flag.value,
+                  reinterpret_cast<CUdeviceptr>(flags_->cudaAddress(done.index)), done.value,
                   flags),
               "cuStreamWaitValue32 (done)");
 }

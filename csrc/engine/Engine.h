@@ -67,13 +67,14 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::optional<std::string> failureOf(const std::string& processKey);
   uint64_t nextOpId() { return nextOpId_.fetch_add(1); }
   // On the caller's thread: flags for a CUDA op, and its stream's `ready` write.
-  cuda::Flag prepareCuda(Op& op, std::chrono::milliseconds timeout);
-  // Bounds the CUDA ops in flight, blocking the caller *before* it enqueues on its stream:
-  // a caller blocked inside the driver on a full stream queue could keep the progress
-  // thread from enqueueing the very copy that would drain it.
+  CudaFence prepareCuda(Op& op, std::chrono::milliseconds timeout);
+  // Bounds the CUDA ops in flight (flag words, tensors held), blocking the caller before it
+  // enqueues anything on its stream.
   void admitCuda(std::chrono::milliseconds timeout);
   void retireCuda();
-  void waitOnStream(void* stream, int device, const cuda::Flag& flag);
+  // Blocks the caller until the copy that writes the op's `done` is submitted.
+  void awaitQueued(const cuda::Flag& queued, Clock::time_point deadline);
+  void waitOnStream(void* stream, int device, const cuda::Flag& done);
 
   // Progress thread.
   void run();

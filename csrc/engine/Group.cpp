@@ -4,7 +4,11 @@
 #include "engine/Log.h"
 
 namespace smfree::engine {
+namespace {
 
+constexpr auto kQueuedMargin = std::chrono::seconds(10);
+
+}  // namespace
 
 Group::Group(std::shared_ptr<Engine> engine, std::shared_ptr<const GroupConfig> config,
              std::shared_ptr<KeyValueStore> store, std::chrono::milliseconds timeout)
@@ -48,33 +52,33 @@ void Group::connectAll() {
   }
 }
 
-std::optional<cuda::Flag> Group::post(OpRequest request) {
+std::optional<CudaFence> Group::post(OpRequest request) {
   if (closed_) {
     fail("group '", config_->name, "' is closed");
-  }
-  if (request.buffer.memory == MemoryKind::kCuda && !engine_->config().cudaP2P) {
-    fail("point-to-point ops on CUDA tensors are experimental and off: back-to-back small "
-         "transfers can stall until the group timeout (see the README). SMFREE_CUDA_P2P=1 "
-         "turns them on");
   }
   auto op = std::make_shared<Op>();
   op->id = engine_->nextOpId();
   op->request = std::move(request);
   op->groupId = id_;
   op->config = config_;
-  std::optional<cuda::Flag> done;
+  std::optional<CudaFence> fence;
   if (op->request.buffer.memory == MemoryKind::kCuda) {
-    done = engine_->prepareCuda(*op, timeout());
+    fence = engine_->prepareCuda(*op, timeout());
   }
   op->posted = Clock::now();
   op->deadline = op->posted + timeout();
   Engine* engine = engine_.get();
   engine_->submit([engine, op] { engine->startOp(op); });
-  return done;
+  return fence;
 }
 
-void Group::waitOnStream(void* stream, int device, const cuda::Flag& flag) {
-  engine_->waitOnStream(stream, device, flag);
+void Group::awaitQueued(const CudaFence& fence) {
+  // The op's own timeout sets `queued` first; the margin only guards against a stuck engine.
+  engine_->awaitQueued(fence.queued, Clock::now() + timeout() + kQueuedMargin);
+}
+
+void Group::waitOnStream(void* stream, int device, const CudaFence& fence) {
+  engine_->waitOnStream(stream, device, fence.done);
 }
 
 void Group::close(StatusCode code, const std::string& reason) {

@@ -31,9 +31,13 @@ class Group {
   void connect(int rank);
   void connectAll();
   // Never blocks on the transfer; `request.onComplete` reports the outcome. For a CUDA buffer
-  // it returns the flag that streams wait on (waitOnStream) to see the op done.
-  std::optional<cuda::Flag> post(OpRequest request);
-  void waitOnStream(void* stream, int device, const cuda::Flag& flag);
+  // it returns what streams wait on (waitOnStream) to see the op done.
+  std::optional<CudaFence> post(OpRequest request);
+  // Returns once the partner has posted and the copy is submitted, or the op failed; throws
+  // if neither happens within the group timeout.
+  void awaitQueued(const CudaFence& fence);
+  // Makes `stream` wait for the copy on the GPU; call only after awaitQueued.
+  void waitOnStream(void* stream, int device, const CudaFence& fence);
   // Fails every pending op with `reason` and refuses new ones; returns once that is done.
   void close(StatusCode code, const std::string& reason);
   // Why `rank`'s process is known dead, if it is.

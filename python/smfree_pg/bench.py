@@ -64,12 +64,10 @@ UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 BYTES_PER_LOOP = 8 << 30
 MIN_ITERS, MAX_ITERS = 20, 1000
 GEMM_WARMUP = 5
-# NVLink multicast stays off on shared machines (NCCL reads these at communicator init); the
-# copy-engine path is opt-in while it is experimental.
+# NVLink multicast stays off on shared machines (NCCL reads these at communicator init).
 RANK_ENV = {
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "SMFREE_CUDA_P2P": "1",
 }
 ENV_PREFIXES = ("SMFREE_", "NCCL_", "UCX_", "TORCH_NCCL_", "TORCH_SYMM_MEM_",
                 "CUDA_VISIBLE_DEVICES", "PYTORCH_CUDA_ALLOC_CONF")

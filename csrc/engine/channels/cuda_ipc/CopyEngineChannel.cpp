@@ -32,9 +32,9 @@ CopyEngineChannel::~CopyEngineChannel() {
 }
 
 std::string CopyEngineChannel::armRecv(const std::shared_ptr<Op>& recv, Peer& source) {
-  CudaOpState& state = *recv->cuda;
+  const CudaOpState& state = *recv->cuda;
   Clearance clearance{cuda::exportBuffer(recv->request.buffer.data, recv->request.buffer.device),
-                      state.ready, state.done, state.moved};
+                      state.ready, state.queued, state.done, state.moved};
   ++recv->outstanding;
   moving_.push_back(Transfer{recv, &source, std::nullopt});
   return toBytes(clearance);
@@ -50,29 +50,63 @@ void CopyEngineChannel::startSend(const std::shared_ptr<Op>& send, Peer& destina
   if (!destination.flags) {
     destination.flags = std::make_unique<cuda::RemoteFlagSegment>(destination.address.flagSegment);
   }
+  cuda::RemoteFlagSegment& peerFlags = *destination.flags;
+  const int device = send->request.buffer.device;
+  try {
+    cuda::ContextGuard context(device);
+    enqueueCopy(*send, destination, clearance, dmaStream(device, clearance.destination.device));
+  } catch (const Error&) {
+    // `moved` without `done` tells the receiver that the send gave up.
+    peerFlags.set(clearance.queued);
+    peerFlags.set(clearance.moved);
+    throw;
+  }
+  peerFlags.set(clearance.queued);
+  flags_.set(send->cuda->queued);
   ++send->outstanding;
-  waiting_.push_back(Transfer{send, &destination, clearance});
+  moving_.push_back(Transfer{send, &destination, clearance});
+}
+
+void CopyEngineChannel::enqueueCopy(const Op& send, Peer& peer, const Clearance& clearance,
+                                    CUstream stream) {
+  const cuda::Driver& d = cuda::driver();
+  cuda::RemoteFlagSegment& peerFlags = *peer.flags;
+  // Both `ready` writes were submitted when the ops were posted, before this clearance.
+  const std::pair<void*, cuda::Flag> waits[] = {
+      {flags_.cudaAddress(send.cuda->ready.index), send.cuda->ready},
+      {peerFlags.cudaAddress(clearance.ready.index), clearance.ready},
+  };
+  for (const auto& [word, flag] : waits) {
+    cuda::check(d.cuStreamWaitValue32(stream, address(word), flag.value, CU_STREAM_WAIT_VALUE_GEQ),
+                "cuStreamWaitValue32 (ready)");
+  }
+  void* destination =
+      ipc_.acquire(peer.address.processKey, clearance.destination, send.request.buffer.device);
+  try {
+    cuda::check(d.cuMemcpyAsync(address(destination), address(send.request.buffer.data),
+                                send.request.buffer.bytes, stream),
+                "cuMemcpyAsync");
+    // `done` before `moved` on each side: whoever sees `moved` also sees `done`, so `moved`
+    // without `done` can only mean a send given up before its copy.
+    const std::pair<void*, cuda::Flag> writes[] = {
+        {peerFlags.cudaAddress(clearance.done.index), clearance.done},
+        {peerFlags.cudaAddress(clearance.moved.index), clearance.moved},
+        {flags_.cudaAddress(send.cuda->done.index), send.cuda->done},
+        {flags_.cudaAddress(send.cuda->moved.index), send.cuda->moved},
+    };
+    for (const auto& [word, flag] : writes) {
+      cuda::check(d.cuStreamWriteValue32(stream, address(word), flag.value,
+                                         CU_STREAM_WRITE_VALUE_DEFAULT),
+                  "cuStreamWriteValue32");
+    }
+  } catch (const Error&) {
+    ipc_.done(peer.address.processKey, clearance.destination);
+    throw;
+  }
 }
 
 bool CopyEngineChannel::progress() {
   bool moved = false;
-  for (auto it = waiting_.begin(); it != waiting_.end();) {
-    Transfer& send = *it;
-    if (!flags_.isSet(send.op->cuda->ready) || !send.peer->flags->isSet(send.clearance->ready)) {
-      ++it;
-      continue;
-    }
-    try {
-      enqueueCopy(send);
-      moving_.splice(moving_.end(), waiting_, it++);
-    } catch (const Error& error) {
-      // The receiver is not told; its recv times out. A failed enqueue means a broken context.
-      it = abandon(waiting_, it,
-                   Status::failure(StatusCode::kTransport,
-                                   concat(send.op->describe(), ": ", error.what())));
-    }
-    moved = true;
-  }
   for (auto it = moving_.begin(); it != moving_.end();) {
     if (finishMove(*it)) {
       it = moving_.erase(it);
@@ -84,36 +118,11 @@ bool CopyEngineChannel::progress() {
   return moved;
 }
 
-void CopyEngineChannel::enqueueCopy(Transfer& send) {
-  const cuda::Driver& d = cuda::driver();
-  Op& op = *send.op;
-  const Clearance& clearance = *send.clearance;
-  const int device = op.request.buffer.device;
-  cuda::ContextGuard context(device);
-  void* destination = ipc_.acquire(send.peer->address.processKey, clearance.destination, device);
-  CUstream stream = dmaStream(device, clearance.destination.device);
-  cuda::check(d.cuMemcpyAsync(address(destination), address(op.request.buffer.data),
-                              op.request.buffer.bytes, stream),
-              "cuMemcpyAsync");
-  // `done` before `moved` on each side: whoever sees `moved` also sees `done`, so `moved`
-  // without `done` can only mean a send given up before its copy.
-  cuda::RemoteFlagSegment& peerFlags = *send.peer->flags;
-  const std::pair<void*, cuda::Flag> writes[] = {
-      {peerFlags.cudaAddress(clearance.done.index), clearance.done},
-      {peerFlags.cudaAddress(clearance.moved.index), clearance.moved},
-      {flags_.cudaAddress(op.cuda->done.index), op.cuda->done},
-      {flags_.cudaAddress(op.cuda->moved.index), op.cuda->moved},
-  };
-  for (const auto& [word, flag] : writes) {
-    cuda::check(d.cuStreamWriteValue32(stream, address(word), flag.value,
-                                       CU_STREAM_WRITE_VALUE_DEFAULT),
-                "cuStreamWriteValue32");
-  }
-}
-
 bool CopyEngineChannel::finishMove(Transfer& transfer) {
   Op& op = *transfer.op;
-  if (!flags_.isSet(op.cuda->moved)) {
+  // A recv also waits for `queued`: the sender's CPU writes it, and nothing may write the
+  // word once it is handed to another op.
+  if (!flags_.isSet(op.cuda->moved) || (!op.isSend() && !flags_.isSet(op.cuda->queued))) {
     return false;
   }
   --op.outstanding;
@@ -123,7 +132,6 @@ bool CopyEngineChannel::finishMove(Transfer& transfer) {
   } else if (flags_.isSet(op.cuda->done)) {
     onDone_(transfer.op, Status::success());
   } else {
-    flags_.set(op.cuda->done);
     onDone_(transfer.op, Status::failure(StatusCode::kAborted,
                                          concat(op.describe(), " failed: the sender gave up")));
   }
@@ -132,46 +140,54 @@ bool CopyEngineChannel::finishMove(Transfer& transfer) {
 
 void CopyEngineChannel::cancel(Op& op) {
   if (!op.isSend()) {
-    // The sender may still copy: release the user's streams now, keep the buffer until `moved`.
-    flags_.set(op.cuda->done);
-    return;
+    return;  // the sender may still copy: the buffer stays until `moved`
   }
-  for (auto it = waiting_.begin(); it != waiting_.end(); ++it) {
-    if (it->op.get() != &op) continue;
-    if (!it->peer->failed) {
-      it->peer->flags->set(it->clearance->moved);  // `moved` without `done`: given up
+  for (Transfer& send : moving_) {
+    if (send.op.get() == &op) {
+      releaseReadiness(send);
+      return;
     }
-    abandon(waiting_, it,
-            Status::failure(StatusCode::kAborted, concat(op.describe(), " was cancelled")));
-    return;
   }
-  // An enqueued copy waits for nothing and finishes by itself.
+}
+
+void CopyEngineChannel::partnerGaveUp(Op& op) {
+  for (auto it = moving_.begin(); it != moving_.end(); ++it) {
+    if (it->op.get() == &op) {
+      abandon(it, Status::failure(StatusCode::kAborted,
+                                  concat(op.describe(), " failed: the sender gave up")));
+      return;
+    }
+  }
+}
+
+void CopyEngineChannel::releaseReadiness(Transfer& send) {
+  // A submitted copy cannot be taken back; letting it run keeps no stream parked on a
+  // `ready` that may never come (a wedged or dead peer).
+  flags_.set(send.op->cuda->ready);
+  send.peer->flags->set(send.clearance->ready);
 }
 
 std::list<CopyEngineChannel::Transfer>::iterator CopyEngineChannel::abandon(
-    std::list<Transfer>& transfers, std::list<Transfer>::iterator it, const Status& status) {
+    std::list<Transfer>::iterator it, const Status& status) {
   const std::shared_ptr<Op> op = it->op;
-  flags_.set(op->cuda->done);  // no user stream stays parked on it
   --op->outstanding;
-  it = transfers.erase(it);
+  it = moving_.erase(it);
   onDone_(op, status);
   return it;
 }
 
 void CopyEngineChannel::peerFailed(Peer& peer) {
   const Status gone = Status::failure(StatusCode::kPeerFailure, peer.failure);
-  auto fails = [&](std::list<Transfer>& transfers, bool onlyRecvs) {
-    for (auto it = transfers.begin(); it != transfers.end();) {
-      if (it->peer != &peer || (onlyRecvs && it->op->isSend())) {
-        ++it;
-        continue;
-      }
-      // A dead sender's copy will never come; a send to it was never enqueued.
-      it = abandon(transfers, it, gone);
+  for (auto it = moving_.begin(); it != moving_.end();) {
+    if (it->peer != &peer) {
+      ++it;
+    } else if (it->op->isSend()) {
+      releaseReadiness(*it);  // our copy into its (still mapped) memory finishes by itself
+      ++it;
+    } else {
+      it = abandon(it, gone);  // a dead sender's copy will never come
     }
-  };
-  fails(waiting_, false);
-  fails(moving_, true);  // our own enqueued copies into its memory still finish
+  }
   ipc_.dropPeer(peer.address.processKey);
 }
 
@@ -181,10 +197,11 @@ std::string CopyEngineChannel::describeWait(const Op& op) const {
   };
   const CudaOpState& state = *op.cuda;
   std::string text = concat(flag("ready", flags_.wordOf(state.ready), state.ready), ", ",
+                            flag("queued", flags_.wordOf(state.queued), state.queued), ", ",
                             flag("done", flags_.wordOf(state.done), state.done), ", ",
                             flag("moved", flags_.wordOf(state.moved), state.moved));
-  for (const Transfer& send : waiting_) {
-    if (send.op.get() == &op) {
+  for (const Transfer& send : moving_) {
+    if (send.op.get() == &op && send.clearance) {
       text += concat(", peer ", flag("ready", send.peer->flags->wordOf(send.clearance->ready),
                                      send.clearance->ready));
     }

@@ -16,12 +16,12 @@ namespace smfree::engine {
 // Same-host CUDA buffers: the sender's copy engine writes straight into the receiver's
 // buffer, mapped through CUDA IPC, on a DMA stream per (local device, peer device).
 //
-// The DMA stream never waits on anything. The progress thread enqueues a copy only once
-// both sides are ready: the sender's stream has produced the source and the receiver's
-// stream has released the destination (each stream wrote a flag at posting). A stream
-// that waits on a peer can therefore never hold up a copy that the peer waits for,
-// whatever the order in which ops were posted. After the copy the DMA stream writes the
-// receiver's `done` and `moved` flags, then the sender's.
+// The copy is submitted as soon as the receiver clears the send: the DMA stream waits for
+// both sides' `ready` (written by the callers' streams when they posted, so already
+// submitted), copies, then writes the receiver's `done` and `moved`, then the sender's.
+// Only then do both sides learn `queued`, and only then may a user stream wait on `done`
+// (see CudaOp.h): every stream wait is for work already submitted, so no posting order and
+// no sharing of hardware queues between streams can deadlock.
 class CopyEngineChannel final : public Channel {
  public:
   CopyEngineChannel(cuda::FlagSegment& flags, size_t ipcCacheSize, Done onDone);
@@ -32,12 +32,13 @@ class CopyEngineChannel final : public Channel {
   void startSend(const std::shared_ptr<Op>& send, Peer& destination,
                  const std::string& channelData) override;
   void cancel(Op& op) override;
+  void partnerGaveUp(Op& op) override;
   bool progress() override;
-  bool busy() const override { return !waiting_.empty() || !moving_.empty(); }
+  bool busy() const override { return !moving_.empty(); }
   void peerFailed(Peer& peer) override;
 
   size_t ipcMappings() const { return ipc_.size(); }
-  // For the pending-op table: which flags an op still waits for, as "name word/wanted".
+  // For the pending-op table: which flags an op still waits for, as "name index:word/wanted".
   std::string describeWait(const Op& op) const;
 
  private:
@@ -45,6 +46,7 @@ class CopyEngineChannel final : public Channel {
   struct Clearance {
     cuda::IpcExport destination;
     cuda::Flag ready;
+    cuda::Flag queued;
     cuda::Flag done;
     cuda::Flag moved;
   };
@@ -52,13 +54,14 @@ class CopyEngineChannel final : public Channel {
     std::shared_ptr<Op> op;
     Peer* peer;
     std::optional<Clearance> clearance;  // sends only
-    bool cancelled = false;
   };
 
-  void enqueueCopy(Transfer& send);
-  // Ends a transfer that will not move its bytes: releases stream waits and the buffer.
-  std::list<Transfer>::iterator abandon(std::list<Transfer>& transfers,
-                                        std::list<Transfer>::iterator it, const Status& status);
+  void enqueueCopy(const Op& send, Peer& peer, const Clearance& clearance, CUstream stream);
+  // Lets a submitted copy run whatever the callers' streams do: used when an op fails.
+  void releaseReadiness(Transfer& send);
+  // Ends a recv whose bytes will not come: fails it (which releases its stream waits) and
+  // drops the buffer.
+  std::list<Transfer>::iterator abandon(std::list<Transfer>::iterator it, const Status& status);
   bool finishMove(Transfer& transfer);
   CUstream dmaStream(int localDevice, int peerDevice);
 
@@ -66,8 +69,7 @@ class CopyEngineChannel final : public Channel {
   cuda::IpcCache ipc_;
   Done onDone_;
   std::map<std::pair<int, int>, CUstream> streams_;
-  std::list<Transfer> waiting_;  // cleared sends, not both sides ready yet
-  std::list<Transfer> moving_;   // copies enqueued (sends) or expected (recvs)
+  std::list<Transfer> moving_;  // copies submitted (sends) or expected (recvs)
 };
 
 }  // namespace smfree::engine
