@@ -193,7 +193,7 @@ def print_table(rows: list[dict], ref: str, header: str) -> None:
 
 
 def describe(device: torch.device, world: int) -> str:
-    name = (f"{torch.cuda.get_device_name(device)} (experimental copy-engine path)"
+    name = (f"{torch.cuda.get_device_name(device)} (copy-engine path)"
             if device.type == "cuda" else "CPU")
     pairs = world // 2
     idle = f", rank {world - 1} idle" if world % 2 else ""

@@ -37,7 +37,7 @@ long parseNonNegative(const char* name, long fallback) {
 Config Config::fromEnv() {
   Config config;
   config.logLevel = parseLogLevel(std::getenv("SMFREE_LOG_LEVEL"));
-  config.spin = std::chrono::microseconds(parseNonNegative("SMFREE_SPIN_US", 200));
+  config.spin = std::chrono::microseconds(parseNonNegative("SMFREE_SPIN_US", 10000));
   config.peerCheck = std::chrono::milliseconds(parseNonNegative("SMFREE_PEER_CHECK_MS", 1000));
   config.ipcCacheSize = static_cast<size_t>(parseNonNegative("SMFREE_IPC_CACHE_SIZE", 1024));
   if (config.ipcCacheSize == 0) {

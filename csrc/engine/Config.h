@@ -10,7 +10,8 @@ enum class LogLevel;
 // Every SMFREE_* setting the engine reads, parsed once. The README documents each.
 struct Config {
   LogLevel logLevel;
-  // How long the progress thread polls after its last event before it sleeps.
+  // How long the progress thread polls after its last event before it sleeps, and how long a
+  // CUDA work.wait() polls for the partner's post before it naps.
   std::chrono::microseconds spin;
   // UCX keepalive interval, so a dead peer fails pending ops quickly; UCX_KEEPALIVE_INTERVAL wins.
   std::chrono::milliseconds peerCheck;

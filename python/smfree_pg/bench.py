@@ -1,4 +1,4 @@
-"""smfree's benchmark: items 1-3 of BENCHMARKS.md, smfree beside NCCL in one run on one host.
+"""smfree's benchmark: items 1-4 of BENCHMARKS.md, smfree beside NCCL in one run on one host.
 
 1. bandwidth: time per op and GB/s for message sizes 4 KiB ... 1 GiB, one way (rank 0 sends,
    rank 1 receives) and both ways at once (each rank sends and receives), over smfree and over
@@ -8,6 +8,9 @@
    side stream; the GEMM's slowdown under smfree and under NCCL traffic, and the GB/s moved.
 3. profile: a torch.profiler trace of a few P2P ops over each backend; the CUDA kernels they
    launched and the memory copies the profiler saw.
+4. pipeline: a synthetic 1F1B pipeline over every rank (rank r is stage r), GEMM stages with
+   activations forward and gradients backward; step time over smfree and over NCCL
+   (bench_pipeline.py).
 
 Ranks pair up (0<->1, 2<->3, ...; with an odd world size the last rank idles) and all pairs run
 at once; rank 0 prints its pair's figures and writes every figure to a JSON file (schema in
@@ -48,9 +51,10 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity
 
 import smfree_pg
+from smfree_pg import bench_pipeline
 
 SCHEMA = "smfree-bench/1"
-SECTIONS = ("bandwidth", "overlap", "profile")
+SECTIONS = ("bandwidth", "overlap", "profile", "pipeline")
 BACKENDS = ("smfree", "nccl")
 MODES = ("oneway", "bidir")
 MODE_TITLES = {
@@ -151,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     overlap.add_argument("--overlap-reps", type=int, default=3,
                          help="rounds of (alone, smfree, NCCL); the median counts "
                          "(default: %(default)s)")
+    bench_pipeline.add_arguments(parser)
     profile = parser.add_argument_group("profile")
     profile.add_argument("--profile-size", type=parse_size, default="16M",
                          help="bytes per op (default: %(default)s)")
@@ -236,7 +241,8 @@ def run_rank(rank: int, world: int, local_rank: int, init_method: str, args) -> 
     report = new_report(ctx, args)
     if rank == 0:
         print_header(report["meta"])
-    sections = {"bandwidth": run_bandwidth, "overlap": run_overlap, "profile": run_profile}
+    sections = {"bandwidth": run_bandwidth, "overlap": run_overlap, "profile": run_profile,
+                "pipeline": run_pipeline}
     for name in args.only:
         # A rank stuck in the GPU (a stream waiting forever) never sees the group timeout; this
         # ends it, with every thread's traceback, so the launcher ends the others.
@@ -837,7 +843,16 @@ def print_profile(section: dict) -> None:
     print("\n".join(names), flush=True)
 
 
-PRINTERS = {"bandwidth": print_bandwidth, "overlap": print_overlap, "profile": print_profile}
+def run_pipeline(ctx: Ctx, args) -> dict:
+    return bench_pipeline.run_pipeline(ctx, args, barrier, gather, raise_on_errors, log, BACKENDS)
+
+
+def print_pipeline(section: dict) -> None:
+    bench_pipeline.print_pipeline(section, format_table, format_size)
+
+
+PRINTERS = {"bandwidth": print_bandwidth, "overlap": print_overlap, "profile": print_profile,
+            "pipeline": print_pipeline}
 
 
 if __name__ == "__main__":
