@@ -509,12 +509,15 @@ void Engine::onRefusal(const Refusal& message) {
 void Engine::onCancellation(const Cancellation& message) {
   if (message.recvId != 0) {
     std::shared_ptr<Op> recv = findLive(message.recvId);
-    if (recv && !recv->finished()) {
-      const bool moving = recv->phase == Op::Phase::kMoving;
-      complete(recv, Status::failure(StatusCode::kTimeout,
-                                     concat(recv->describe(), " failed: ", message.reason)));
-      if (moving) channelFor(*recv).partnerGaveUp(*recv);
+    if (!recv) {
+      return;
     }
+    // Also for a recv that already failed (timed out, group closed): its channel may still
+    // hold the buffer for bytes that will now never come.
+    const bool armed = recv->outstanding > 0;
+    complete(recv, Status::failure(StatusCode::kTimeout,
+                                   concat(recv->describe(), " failed: ", message.reason)));
+    if (armed) channelFor(*recv).partnerGaveUp(*recv);
     return;
   }
   if (GroupState* group = findGroup(message.group)) {
