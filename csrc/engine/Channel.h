@@ -18,7 +18,6 @@ class Channel {
   using Done = std::function<void(const std::shared_ptr<Op>&, const Status&)>;
 
   virtual ~Channel() = default;
-  virtual const char* name() const = 0;
   // Receiver: get ready for the bytes; returns what the sender's side needs to deliver them.
   virtual std::string armRecv(const std::shared_ptr<Op>& recv, Peer& source) = 0;
   // Sender: deliver the bytes, given what armRecv returned on the receiver.

@@ -193,7 +193,8 @@ void Engine::sleep() {
   // Submitters signal the worker, which fires its armed event fd; a same-host peer's exit
   // fires its pidfd. Flags in memory fire nothing, so while copies are in flight the wait
   // is short.
-  std::vector<pollfd> events{{worker_->eventFd(), POLLIN, 0}};
+  std::vector<pollfd>& events = sleepEvents_;  // reused: this runs every 20 µs while busy
+  events.assign(1, pollfd{worker_->eventFd(), POLLIN, 0});
   for (const auto& [key, peer] : peers_) {
     if (peer->watch && peer->watch->fd() >= 0 && !peer->failed) {
       events.push_back({peer->watch->fd(), POLLIN, 0});

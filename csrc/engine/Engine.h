@@ -1,5 +1,7 @@
 #pragma once
 
+#include <poll.h>
+
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -136,6 +138,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::unordered_map<uint64_t, std::shared_ptr<Op>> live_;
   std::unordered_map<uint64_t, std::vector<ReadyToSend>> orphans_;  // for groups not joined yet
   std::vector<cuda::Flag> unreachedReadyFlags_;  // freed once their stream has written them
+  std::vector<pollfd> sleepEvents_;
 };
 
 template <typename T>

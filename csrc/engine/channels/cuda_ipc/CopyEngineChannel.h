@@ -27,7 +27,6 @@ class CopyEngineChannel final : public Channel {
   CopyEngineChannel(cuda::FlagSegment& flags, size_t ipcCacheSize, Done onDone);
   ~CopyEngineChannel() override;
 
-  const char* name() const override { return "copy engine"; }
   std::string armRecv(const std::shared_ptr<Op>& recv, Peer& source) override;
   void startSend(const std::shared_ptr<Op>& send, Peer& destination,
                  const std::string& channelData) override;

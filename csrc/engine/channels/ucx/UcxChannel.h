@@ -12,7 +12,6 @@ class UcxChannel final : public Channel {
  public:
   UcxChannel(UcxWorker& worker, Done onDone);
 
-  const char* name() const override { return "ucx"; }
   std::string armRecv(const std::shared_ptr<Op>& recv, Peer& source) override;
   void startSend(const std::shared_ptr<Op>& send, Peer& destination,
                  const std::string& channelData) override;
