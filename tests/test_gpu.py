@@ -429,3 +429,31 @@ def _dropped_tensors(rank, world):
 
 def test_engine_holds_cuda_tensors_until_moved():
     assert run_ranks(_dropped_tensors, 2, cuda=True)[1] == [float(i) for i in range(16)]
+
+
+def _swapped_cuda_data(rank, world):
+    # Megatron's deallocate_output_tensor right after isend: the same-size tensor allocated
+    # next on the stream gets the freed block and fills it before the copy could read it.
+    dev = torch.device("cuda", rank)
+    if rank == 0:
+        works, junk = [], []
+        for i in range(8):
+            sent = torch.full((1 << 20,), float(i), device=dev)
+            works.append(dist.isend(sent, 1))
+            sent.data = torch.empty(1, device=dev)
+            junk.append(torch.full((1 << 20,), -1.0, device=dev))
+        for work in works:
+            work.wait()
+        torch.cuda.synchronize()
+        return None
+    time.sleep(1.0)
+    values = []
+    for _ in range(8):
+        buf = torch.empty(1 << 20, device=dev)
+        dist.recv(buf, 0)
+        values.append(buf[0].item() if torch.all(buf == buf[0]) else None)
+    return values
+
+
+def test_memory_of_a_cuda_tensor_whose_data_is_swapped_after_isend_is_held():
+    assert run_ranks(_swapped_cuda_data, 2, cuda=True)[1] == [float(i) for i in range(8)]

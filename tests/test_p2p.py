@@ -333,3 +333,31 @@ def _dropped_tensors(rank, world):
 
 def test_engine_holds_tensors_until_transfer_done():
     assert run_ranks(_dropped_tensors, 2)[1] == [float(i) for i in range(8)]
+
+
+def _swapped_data(rank, world):
+    # Megatron's deallocate_output_tensor: `.data` of a sent tensor is replaced right after
+    # isend; fresh tensors of the same size then get the freed memory if nothing holds it.
+    peer = 1 - rank
+    if rank == 0:
+        works, junk = [], []
+        for i in range(8):
+            sent = torch.full((1 << 18,), float(i))
+            works.append(dist.isend(sent, peer))
+            sent.data = torch.empty(1)
+            junk.append(torch.full((1 << 18,), -1.0))
+        dist.barrier()
+        for work in works:
+            work.wait()
+        return None
+    dist.barrier()
+    values = []
+    for _ in range(8):
+        buf = torch.empty(1 << 18)
+        dist.recv(buf, peer)
+        values.append(buf[0].item() if torch.all(buf == buf[0]) else None)
+    return values
+
+
+def test_memory_of_a_tensor_whose_data_is_swapped_after_isend_is_held():
+    assert run_ranks(_swapped_data, 2)[1] == [float(i) for i in range(8)]

@@ -120,7 +120,9 @@ c10::intrusive_ptr<c10d::Work> SmFreeBackend::pointToPoint(engine::OpKind kind,
                          .native_handle();
   }
   request.desc = describeTensor(tensor);
-  request.keepalive = std::make_shared<at::Tensor>(tensor);
+  // The storage, not the tensor: Megatron frees a sent activation right after isend by
+  // swapping its `.data`, which would hand the bytes back to the allocator mid-transfer.
+  request.keepalive = std::make_shared<c10::Storage>(tensor.storage());
   request.onComplete = [work, batch](const engine::Status& status, int source) {
     work->onOpDone(status, source);
     if (batch) batch->onOpDone(status, source);

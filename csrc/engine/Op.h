@@ -37,7 +37,7 @@ struct OpRequest {
   int tag = 0;
   Buffer buffer;
   TensorDesc desc;
-  std::shared_ptr<void> keepalive;  // the caller's tensor, held until no transport touches it
+  std::shared_ptr<void> keepalive;  // the caller's memory, held until no transport touches it
   OpCallback onComplete;
   void* stream = nullptr;  // CUDA buffers: the caller's current stream (CUstream)
 };
