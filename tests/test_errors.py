@@ -192,3 +192,24 @@ def _use_after_stop(rank, world, how):
 @pytest.mark.parametrize("how", ["abort", "shutdown"])
 def test_use_after_abort_or_shutdown(how):
     run_ranks(_use_after_stop, 2, how)
+
+
+def _exchange_one(rank, world):
+    got = torch.zeros(8)
+    ops = [dist.P2POp(dist.isend, torch.full((8,), float(rank)), 1 - rank),
+           dist.P2POp(dist.irecv, got, 1 - rank)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return got.tolist()
+
+
+@pytest.mark.parametrize("transport", ["auto", "copy_engine", "ucx"])
+def test_cpu_tensors_go_over_ucx_whatever_smfree_transport_says(transport):
+    results = run_ranks(_exchange_one, 2, env={"SMFREE_TRANSPORT": transport})
+    assert results == [[1.0] * 8, [0.0] * 8]
+
+
+def test_unknown_smfree_transport_is_refused_naming_the_choices():
+    with pytest.raises(AssertionError,
+                       match=r"SMFREE_TRANSPORT='nvlink' is not one of auto, copy_engine, ucx"):
+        run_ranks(_exchange_one, 2, env={"SMFREE_TRANSPORT": "nvlink"})

@@ -13,6 +13,9 @@ from harness import run_ranks
 pytestmark = pytest.mark.gpu
 
 GPUS = torch.cuda.device_count()
+# The suite runs as it is on the copy engines (default) and with SMFREE_TRANSPORT=ucx.
+OVER_UCX = os.environ.get("SMFREE_TRANSPORT") == "ucx"
+copy_engine_only = pytest.mark.skipif(OVER_UCX, reason="tests the copy-engine protocol")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8, torch.uint8,
           torch.int32, torch.int64, torch.bool, torch.complex64]
 
@@ -313,6 +316,7 @@ def _expandable_segments(rank, world):
         return "error", str(error)
 
 
+@copy_engine_only
 def test_expandable_segments_fail_clearly_not_silently():
     results = run_ranks(_expandable_segments, 2, cuda=True, group_timeout_s=15,
                         env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
@@ -404,6 +408,7 @@ def _peer_dies(rank, world):
     return waited, marker.item(), error
 
 
+@copy_engine_only
 def test_dead_peer_leaves_no_stream_parked():
     waited, marker, error = run_ranks(_peer_dies, 2, cuda=True, group_timeout_s=60,
                                       expect_exit=(1,))[0]
@@ -457,3 +462,53 @@ def _swapped_cuda_data(rank, world):
 
 def test_memory_of_a_cuda_tensor_whose_data_is_swapped_after_isend_is_held():
     assert run_ranks(_swapped_cuda_data, 2, cuda=True)[1] == [float(i) for i in range(8)]
+
+
+def _peer_dies_before_its_stream_is_ready(rank, world):
+    dev = torch.device("cuda", rank)
+    exchange(torch.ones(4, device=dev), torch.empty(4, device=dev), 1 - rank)  # connect first
+    torch.cuda.synchronize()
+    if rank == 1:
+        torch.cuda._sleep(1 << 40)  # the send's stream will not reach it for minutes
+        dist.isend(torch.ones(1 << 24, device=dev), 0)
+        time.sleep(0.5)
+        os._exit(1)
+    work = dist.irecv(torch.zeros(1 << 24, device=dev), 1)
+    started = time.monotonic()
+    try:
+        work.wait()
+        error = None
+    except dist.DistBackendError as failure:
+        error = str(failure)
+    return time.monotonic() - started, error
+
+
+def test_peer_killed_mid_transfer_fails_the_pending_recv():
+    waited, error = run_ranks(_peer_dies_before_its_stream_is_ready, 2, cuda=True,
+                              group_timeout_s=120, expect_exit=(1,))[0]
+    assert error and "its peer process" in error, error
+    assert waited < 60
+
+
+def _host_to_cuda(rank, world):
+    # CPU tensors always go over UCX; a CUDA recv takes the transport SMFREE_TRANSPORT picks.
+    dev = torch.device("cuda", rank)
+    try:
+        if rank == 0:
+            dist.send(torch.arange(1024, dtype=torch.float32), 1)
+            return "sent"
+        got = torch.zeros(1024, device=dev)
+        dist.recv(got, 0)
+        return bool(torch.equal(got.cpu(), torch.arange(1024, dtype=torch.float32)))
+    except dist.DistBackendError as error:
+        return str(error)
+
+
+def test_cpu_send_into_cuda_recv_moves_over_ucx_or_fails_on_both_ranks():
+    sent, received = run_ranks(_host_to_cuda, 2, cuda=True, group_timeout_s=30)
+    if OVER_UCX:
+        assert (sent, received) == ("sent", True)
+    else:
+        for outcome in (sent, received):
+            assert "channel mismatch" in outcome and "over UCX" in outcome, outcome
+            assert "over the copy engines" in outcome, outcome

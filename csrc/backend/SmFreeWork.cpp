@@ -101,9 +101,10 @@ bool SmFreeWork::wait(std::chrono::milliseconds timeout) {
     std::lock_guard<std::mutex> lock(stateMutex_);
     fences = fences_;
   }
-  // CUDA work makes the current stream wait for the copy, as with NCCL. The CPU waits only
-  // until the partner has posted and the copy is submitted (never for the bytes), unless a
-  // timeout asks it to wait for the end.
+  // CUDA work on the copy engines makes the current stream wait for the copy, as with NCCL.
+  // The CPU waits only until the partner has posted and the copy is submitted (never for the
+  // bytes), unless a timeout asks it to wait for the end. Ops without fences (CPU tensors,
+  // CUDA tensors over UCX) are waited for on the CPU: UCX is not stream-aware.
   try {
     if (fences.empty() || timeout != kNoTimeout) {
       waitFinished(timeout);

@@ -19,6 +19,14 @@ LogLevel parseLogLevel(const char* text) {
   fail("SMFREE_LOG_LEVEL='", value, "' is not one of error, warn, info, debug");
 }
 
+Transport parseTransport(const char* text) {
+  const std::string value = text && *text ? text : "auto";
+  if (value == "auto") return Transport::kAuto;
+  if (value == "copy_engine") return Transport::kCopyEngine;
+  if (value == "ucx") return Transport::kUcx;
+  fail("SMFREE_TRANSPORT='", value, "' is not one of auto, copy_engine, ucx");
+}
+
 long parseNonNegative(const char* name, long fallback) {
   const char* text = std::getenv(name);
   if (!text || !*text) {
@@ -48,6 +56,7 @@ Config Config::fromEnv() {
   if (config.maxCudaOps == 0 || config.maxCudaOps > kMostCudaOps) {
     fail("SMFREE_MAX_CUDA_OPS must be between 1 and ", kMostCudaOps);
   }
+  config.transport = parseTransport(std::getenv("SMFREE_TRANSPORT"));
   return config;
 }
 

@@ -7,6 +7,13 @@ namespace smfree::engine {
 
 enum class LogLevel;
 
+// Which data channel carries CUDA tensors (SMFREE_TRANSPORT). CPU tensors always go over UCX.
+enum class Transport {
+  kAuto,        // copy engines to ranks on this host, UCX to ranks on other hosts
+  kCopyEngine,  // copy engines only: CUDA ops with ranks on other hosts are refused
+  kUcx,         // UCX for every CUDA op, also on this host (the cross-host path, tested locally)
+};
+
 // Every SMFREE_* setting the engine reads, parsed once. The README documents each.
 struct Config {
   LogLevel logLevel;
@@ -19,6 +26,7 @@ struct Config {
   size_t ipcCacheSize;
   // Most CUDA ops a process keeps in flight before a new one waits (SMFREE_MAX_CUDA_OPS).
   size_t maxCudaOps;
+  Transport transport;
 
   static Config fromEnv();
 };

@@ -35,7 +35,16 @@ int64_t millisSince(Clock::time_point then, Clock::time_point now) {
 
 std::string crossHostCuda(const Op& op, const Peer& peer) {
   return concat(op.describe(), " failed: rank ", op.partner(), " (", peer.describe(),
-                ") is on another host, and smfree does not move CUDA tensors between hosts yet");
+                ") is on another host, out of reach of the copy engines "
+                "(SMFREE_TRANSPORT=copy_engine); use auto or ucx");
+}
+
+ChannelKind channelKindOf(const Op& op) {
+  return op.cuda ? ChannelKind::kCopyEngine : ChannelKind::kUcx;
+}
+
+const char* channelName(ChannelKind kind) {
+  return kind == ChannelKind::kCopyEngine ? "the copy engines" : "UCX";
 }
 
 std::string mismatchMessage(const GroupConfig& group, const ReadyToSend& send, const Op& recv) {
@@ -77,7 +86,7 @@ Engine::Engine(Private)
   control_ = std::make_unique<UcxControl>(
       *worker_, [this](const void* data, size_t length) { onControlMessage(data, length); });
   ucxChannel_ = std::make_unique<UcxChannel>(
-      *worker_, [this](const std::shared_ptr<Op>& op, const Status& status) {
+      *worker_, *flags_, [this](const std::shared_ptr<Op>& op, const Status& status) {
         onTransferDone(op, status);
       });
   copyEngine_ = std::make_unique<CopyEngineChannel>(
@@ -163,6 +172,7 @@ void Engine::run() {
   auto lastScan = lastActivity;
   while (runCommands()) {
     bool active = copyEngine_->progress();
+    active = ucxChannel_->progress() || active;
     while (worker_->progress() != 0) {
       active = true;
     }
@@ -200,7 +210,8 @@ void Engine::sleep() {
       events.push_back({peer->watch->fd(), POLLIN, 0});
     }
   }
-  const timespec& timeout = copyEngine_->busy() ? kMemoryWatchNap : kIdleSleep;
+  const bool watching = copyEngine_->busy() || ucxChannel_->busy();
+  const timespec& timeout = watching ? kMemoryWatchNap : kIdleSleep;
   if (ppoll(events.data(), events.size(), &timeout, nullptr) > 0 && events.size() > 1) {
     checkPeers();
   }
@@ -370,7 +381,7 @@ void Engine::startOp(const std::shared_ptr<Op>& op) {
     if (op->isSend()) {
       op->seq = group->sendSeq[{op->request.peer, op->request.tag}]++;
       sendControl(*peer, ReadyToSend{op->groupId, group->config->rank, op->request.tag, op->seq,
-                                     op->id, op->request.desc});
+                                     op->id, op->request.desc, channelKindOf(*op)});
       return;
     }
   }
@@ -440,6 +451,18 @@ void Engine::onMatched(GroupState& group, Matcher::Match& match) {
   }
   if (!rts.desc.compatibleWith(recv->request.desc)) {
     const std::string why = mismatchMessage(*group.config, rts, *recv);
+    complete(recv, Status::failure(StatusCode::kMismatch, why));
+    sendControl(*sender, Refusal{group.id, group.config->rank, rts.sendId, StatusCode::kMismatch,
+                                 why});
+    return;
+  }
+  if (rts.desc.bytes != 0 && rts.channel != channelKindOf(*recv)) {
+    const std::string why =
+        concat("channel mismatch in group '", group.config->name, "', tag ", rts.tag, ": rank ",
+               rts.source, " sends ", rts.desc.describe(), " over ", channelName(rts.channel),
+               ", rank ", group.config->rank, " receives into ", recv->request.desc.describe(),
+               " over ", channelName(channelKindOf(*recv)),
+               " (CPU tensors always go over UCX; SMFREE_TRANSPORT must be alike on every rank)");
     complete(recv, Status::failure(StatusCode::kMismatch, why));
     sendControl(*sender, Refusal{group.id, group.config->rank, rts.sendId, StatusCode::kMismatch,
                                  why});
@@ -638,6 +661,14 @@ void Engine::release(const std::shared_ptr<Op>& op) {
     }
     retireCuda();
   }
+  if (op->streamReady) {
+    if (flags_->isSet(*op->streamReady)) {
+      flags_->release(*op->streamReady);
+    } else {
+      unreachedReadyFlags_.push_back(*op->streamReady);
+    }
+    retireCuda();
+  }
   live_.erase(op->id);
 }
 
@@ -689,6 +720,29 @@ CudaFence Engine::prepareCuda(Op& op, std::chrono::milliseconds timeout) {
   }
   op.cuda = state;
   return CudaFence{state.queued, state.done};
+}
+
+void Engine::prepareUcxCuda(Op& op, std::chrono::milliseconds timeout) {
+  static std::once_flag announced;
+  std::call_once(announced, [this] {
+    log(LogLevel::kInfo, "CUDA tensors to some ranks move over UCX (SMFREE_TRANSPORT=",
+        config_.transport == Transport::kUcx ? "ucx" : "auto, ranks on other hosts", ")");
+  });
+  admitCuda(timeout);
+  const cuda::Flag ready = flags_->acquire();
+  try {
+    cuda::ContextGuard context(op.request.buffer.device);
+    cuda::check(cuda::driver().cuStreamWriteValue32(
+                    static_cast<CUstream>(op.request.stream),
+                    reinterpret_cast<CUdeviceptr>(flags_->cudaAddress(ready.index)), ready.value,
+                    CU_STREAM_WRITE_VALUE_DEFAULT),
+                "cuStreamWriteValue32 (stream ready)");
+  } catch (...) {
+    flags_->release(ready);
+    retireCuda();
+    throw;
+  }
+  op.streamReady = ready;
 }
 
 void Engine::awaitQueued(const cuda::Flag& queued, Clock::time_point deadline) {

@@ -70,6 +70,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   uint64_t nextOpId() { return nextOpId_.fetch_add(1); }
   // On the caller's thread: flags for a CUDA op, and its stream's `ready` write.
   CudaFence prepareCuda(Op& op, std::chrono::milliseconds timeout);
+  // On the caller's thread, for a CUDA op over UCX: its stream's `streamReady` write.
+  void prepareUcxCuda(Op& op, std::chrono::milliseconds timeout);
   // Bounds the CUDA ops in flight (flag words, tensors held), blocking the caller before it
   // enqueues anything on its stream.
   void admitCuda(std::chrono::milliseconds timeout);

@@ -18,8 +18,12 @@ Group::Group(std::shared_ptr<Engine> engine, std::shared_ptr<const GroupConfig> 
       id_(groupIdOf(config_->name)),
       timeoutMs_(timeout.count()),
       connected_(std::make_unique<std::atomic<bool>[]>(config_->size)),
-      processKeys_(config_->size) {
-  for (int rank = 0; rank < config_->size; ++rank) connected_[rank] = false;
+      processKeys_(config_->size),
+      sameHost_(std::make_unique<std::atomic<bool>[]>(config_->size)) {
+  for (int rank = 0; rank < config_->size; ++rank) {
+    connected_[rank] = false;
+    sameHost_[rank] = rank == config_->rank;
+  }
 }
 
 Group::~Group() {
@@ -43,6 +47,7 @@ void Group::connect(int rank) {
     std::lock_guard<std::mutex> lock(keysMutex_);
     processKeys_[rank] = address.processKey;
   }
+  sameHost_[rank] = address.hostKey == engine_->local_.hostKey;
   connected_[rank].store(true, std::memory_order_release);
 }
 
@@ -63,13 +68,43 @@ std::optional<CudaFence> Group::post(OpRequest request) {
   op->config = config_;
   std::optional<CudaFence> fence;
   if (op->request.buffer.memory == MemoryKind::kCuda) {
-    fence = engine_->prepareCuda(*op, timeout());
+    if (onCopyEngine(op->request)) {
+      fence = engine_->prepareCuda(*op, timeout());
+    } else {
+      engine_->prepareUcxCuda(*op, timeout());
+    }
   }
   op->posted = Clock::now();
   op->deadline = op->posted + timeout();
   Engine* engine = engine_.get();
   engine_->submit([engine, op] { engine->startOp(op); });
   return fence;
+}
+
+bool Group::onCopyEngine(const OpRequest& request) const {
+  switch (engine_->config().transport) {
+    case Transport::kCopyEngine:
+      return true;
+    case Transport::kUcx:
+      return false;
+    case Transport::kAuto:
+      break;
+  }
+  if (request.peer != kAnySource) {
+    return sameHost_[request.peer];
+  }
+  // An any-source recv picks its channel before it knows its sender: all ranks must agree.
+  bool local = false;
+  bool remote = false;
+  for (int rank = 0; rank < config_->size; ++rank) {
+    if (rank != config_->rank) (sameHost_[rank] ? local : remote) = true;
+  }
+  if (local && remote) {
+    fail("a CUDA recv from any source in group '", config_->name,
+         "', whose ranks span hosts, cannot choose between copy engines and UCX before it "
+         "matches: name the source rank, or set SMFREE_TRANSPORT=ucx");
+  }
+  return local;
 }
 
 void Group::awaitQueued(const CudaFence& fence) {

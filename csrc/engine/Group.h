@@ -55,6 +55,10 @@ class Group {
   std::unique_ptr<std::atomic<bool>[]> connected_;
   std::mutex keysMutex_;
   std::vector<std::string> processKeys_;  // by rank, once connected
+  std::unique_ptr<std::atomic<bool>[]> sameHost_;  // by rank, written before connected_
+
+  // Whether a CUDA op with these ranks moves on the copy engines (else over UCX).
+  bool onCopyEngine(const OpRequest& request) const;
   std::atomic<bool> closed_{false};
 };
 

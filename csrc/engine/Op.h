@@ -65,7 +65,10 @@ struct Op {
   int outstanding = 0;     // transport requests that still reference the buffer
   bool released = false;
   void* transportRequest = nullptr;
-  std::optional<CudaOpState> cuda;
+  std::optional<CudaOpState> cuda;  // a CUDA op on the copy engines
+  // A CUDA op over UCX: written by the caller's stream once the work queued before the op is
+  // done; UCX touches the buffer only after that.
+  std::optional<cuda::Flag> streamReady;
 
   bool isSend() const { return request.kind == OpKind::kSend; }
   bool finished() const { return phase == Phase::kDone; }

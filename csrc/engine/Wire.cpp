@@ -87,6 +87,7 @@ void write(Writer& w, const ReadyToSend& m) {
   w.put(m.seq);
   w.put(m.sendId);
   w.put(m.desc);
+  w.put(m.channel);
 }
 
 void write(Writer& w, const ClearToSend& m) {
@@ -136,6 +137,10 @@ ControlMessage decode(const void* data, size_t length) {
       m.seq = r.get<uint64_t>();
       m.sendId = r.get<uint64_t>();
       m.desc = r.getDesc();
+      m.channel = r.get<ChannelKind>();
+      if (m.channel != ChannelKind::kUcx && m.channel != ChannelKind::kCopyEngine) {
+        fail("unknown data channel ", static_cast<int>(m.channel), " in a ready-to-send");
+      }
       return m;
     }
     case MessageType::kClearToSend: {

@@ -12,6 +12,9 @@ namespace smfree::engine {
 
 // Control messages between engines. A send is announced to its receiver, which matches it
 // in posting order and either clears it (the channel then moves the bytes) or refuses it.
+// Which data channel an op uses; both sides of a pair must agree (SMFREE_TRANSPORT).
+enum class ChannelKind : uint8_t { kUcx = 0, kCopyEngine = 1 };
+
 struct ReadyToSend {
   uint64_t group = 0;
   int32_t source = 0;  // sender's rank in the group
@@ -19,6 +22,7 @@ struct ReadyToSend {
   uint64_t seq = 0;    // per (group, sender, receiver, tag), from 0
   uint64_t sendId = 0;
   TensorDesc desc;
+  ChannelKind channel = ChannelKind::kUcx;
 };
 
 struct ClearToSend {

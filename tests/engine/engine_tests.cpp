@@ -136,11 +136,13 @@ void wireRoundTrips() {
   ReadyToSend ready = rts(5, -2, 99, 1234);
   ready.group = groupIdOf("pp");
   ready.desc = TensorDesc{64, "bfloat16", "cuda", {4, 8}};
+  ready.channel = ChannelKind::kCopyEngine;
   auto decoded = std::get<ReadyToSend>(decode(encode(ready).data(), encode(ready).size()));
   CHECK(decoded.group == ready.group && decoded.source == 5 && decoded.tag == -2);
   CHECK(decoded.seq == 99 && decoded.sendId == 1234);
   CHECK(decoded.desc.bytes == 64 && decoded.desc.dtype == "bfloat16" && decoded.desc.device == "cuda");
   CHECK((decoded.desc.shape == std::vector<int64_t>{4, 8}));
+  CHECK(decoded.channel == ChannelKind::kCopyEngine);
 
   ClearToSend clear{7, 1, 55, 66, std::string("\0\1\2", 3)};
   auto bytes = encode(clear);

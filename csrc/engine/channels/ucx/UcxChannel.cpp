@@ -1,9 +1,11 @@
 #include "engine/channels/ucx/UcxChannel.h"
 
 #include <cstring>
+#include <optional>
 
 #include "engine/Error.h"
 #include "engine/Peer.h"
+#include "engine/cuda/CudaDriver.h"
 
 namespace smfree::engine {
 
@@ -25,10 +27,15 @@ Status transportFailure(const Op& op, ucs_status_t status) {
                          concat("UCX failed ", op.describe(), ": ", ucxStatusText(status)));
 }
 
+// UCX's CUDA transports work in the current context: the buffer's device's primary one.
+void enterContextOf(const Buffer& buffer, std::optional<cuda::ContextGuard>& context) {
+  if (buffer.memory == MemoryKind::kCuda) context.emplace(buffer.device);
+}
+
 }  // namespace
 
-UcxChannel::UcxChannel(UcxWorker& worker, Done onDone)
-    : worker_(worker), onDone_(std::move(onDone)) {}
+UcxChannel::UcxChannel(UcxWorker& worker, const cuda::FlagSegment& flags, Done onDone)
+    : worker_(worker), flags_(flags), onDone_(std::move(onDone)) {}
 
 ucp_request_param_t UcxChannel::requestParams(Transfer& transfer) const {
   ucp_request_param_t params{};
@@ -39,11 +46,29 @@ ucp_request_param_t UcxChannel::requestParams(Transfer& transfer) const {
   return params;
 }
 
+bool UcxChannel::streamReached(const Op& op) const {
+  return !op.streamReady || flags_.isSet(*op.streamReady);
+}
+
 std::string UcxChannel::armRecv(const std::shared_ptr<Op>& recv, Peer&) {
+  const ucp_tag_t tag = recv->id;
+  if (streamReached(*recv)) {
+    postRecv(recv, tag);
+  } else {
+    ++recv->outstanding;  // the buffer is promised to UCX
+    waiting_.push_back(Waiting{recv, nullptr, tag});
+  }
+  std::string channelData(sizeof(tag), '\0');
+  std::memcpy(channelData.data(), &tag, sizeof(tag));
+  return channelData;
+}
+
+void UcxChannel::postRecv(const std::shared_ptr<Op>& recv, ucp_tag_t tag) {
   auto transfer = std::make_unique<Transfer>(Transfer{this, recv});
   ucp_request_param_t params = requestParams(*transfer);
   params.cb.recv = &UcxChannel::onReceived;
-  const ucp_tag_t tag = recv->id;
+  std::optional<cuda::ContextGuard> context;
+  enterContextOf(recv->request.buffer, context);
   void* request = ucp_tag_recv_nbx(worker_.handle(), recv->request.buffer.data,
                                    recv->request.buffer.bytes, tag, kFullMask, &params);
   if (UCS_PTR_IS_ERR(request)) {
@@ -52,9 +77,6 @@ std::string UcxChannel::armRecv(const std::shared_ptr<Op>& recv, Peer&) {
   transfer.release();  // owned by the request until onReceived
   recv->transportRequest = request;
   ++recv->outstanding;
-  std::string channelData(sizeof(tag), '\0');
-  std::memcpy(channelData.data(), &tag, sizeof(tag));
-  return channelData;
 }
 
 void UcxChannel::startSend(const std::shared_ptr<Op>& send, Peer& destination,
@@ -66,9 +88,20 @@ void UcxChannel::startSend(const std::shared_ptr<Op>& send, Peer& destination,
     return;
   }
   std::memcpy(&tag, channelData.data(), sizeof(tag));
+  if (streamReached(*send)) {
+    postSend(send, destination, tag);
+  } else {
+    ++send->outstanding;  // the buffer is promised to UCX
+    waiting_.push_back(Waiting{send, &destination, tag});
+  }
+}
+
+void UcxChannel::postSend(const std::shared_ptr<Op>& send, Peer& destination, ucp_tag_t tag) {
   auto transfer = std::make_unique<Transfer>(Transfer{this, send});
   ucp_request_param_t params = requestParams(*transfer);
   params.cb.send = &UcxChannel::onSent;
+  std::optional<cuda::ContextGuard> context;
+  enterContextOf(send->request.buffer, context);
   void* request = ucp_tag_send_nbx(destination.endpoint->handle(), send->request.buffer.data,
                                    send->request.buffer.bytes, tag, &params);
   if (UCS_PTR_IS_ERR(request)) {
@@ -80,9 +113,43 @@ void UcxChannel::startSend(const std::shared_ptr<Op>& send, Peer& destination,
   ++send->outstanding;
 }
 
+bool UcxChannel::progress() {
+  bool posted = false;
+  for (size_t i = 0; i < waiting_.size();) {
+    if (!streamReached(*waiting_[i].op)) {
+      ++i;
+      continue;
+    }
+    Waiting ready = std::move(waiting_[i]);
+    waiting_.erase(waiting_.begin() + static_cast<std::ptrdiff_t>(i));
+    --ready.op->outstanding;
+    posted = true;
+    if (ready.destination) {
+      postSend(ready.op, *ready.destination, ready.tag);
+      continue;
+    }
+    try {
+      postRecv(ready.op, ready.tag);
+    } catch (const Error& error) {
+      onDone_(ready.op, Status::failure(StatusCode::kTransport, error.what()));
+    }
+  }
+  return posted;
+}
+
 void UcxChannel::cancel(Op& op) {
   if (op.transportRequest) {
     ucp_request_cancel(worker_.handle(), op.transportRequest);
+    return;
+  }
+  for (auto it = waiting_.begin(); it != waiting_.end(); ++it) {
+    if (it->op.get() != &op) continue;
+    std::shared_ptr<Op> cancelled = std::move(it->op);
+    waiting_.erase(it);
+    --cancelled->outstanding;
+    onDone_(cancelled, Status::failure(StatusCode::kAborted,
+                                       concat(cancelled->describe(), " was cancelled")));
+    return;
   }
 }
 

@@ -1,32 +1,55 @@
 #pragma once
 
+#include <memory>
+#include <vector>
+
 #include "engine/Channel.h"
+#include "engine/cuda/FlagSegment.h"
 #include "engine/transports/ucx/UcxWorker.h"
 
 namespace smfree::engine {
 
-// Moves bytes with UCX tag send/recv straight between the users' buffers. The receiver posts
-// its recv under a tag it owns (its op id) before it clears the sender, so the data never
-// lands in UCX's unexpected queue.
+// Moves bytes with UCX tag send/recv straight between the users' buffers, host or CUDA. The
+// receiver posts its recv under a tag it owns (its op id) before it clears the sender, so the
+// data never lands in UCX's unexpected queue; the exception is a CUDA recv whose stream has
+// not reached it yet, posted once it has (its sender may be cleared before).
+//
+// UCX is not stream-aware: a CUDA op waits, here, for its `streamReady` flag (written by the
+// caller's stream) before UCX may touch the buffer. Completion reaches the caller through its
+// Work on the CPU; no stream waits on UCX, whose own CUDA copies could otherwise queue behind
+// that wait in a shared hardware queue (see CudaOp.h).
 class UcxChannel final : public Channel {
  public:
-  UcxChannel(UcxWorker& worker, Done onDone);
+  UcxChannel(UcxWorker& worker, const cuda::FlagSegment& flags, Done onDone);
 
   std::string armRecv(const std::shared_ptr<Op>& recv, Peer& source) override;
   void startSend(const std::shared_ptr<Op>& send, Peer& destination,
                  const std::string& channelData) override;
   void cancel(Op& op) override;
+  bool progress() override;
+  bool busy() const override { return !waiting_.empty(); }
 
  private:
   struct Transfer;
+  // A CUDA op whose stream has not reached it; `destination` is null for a recv.
+  struct Waiting {
+    std::shared_ptr<Op> op;
+    Peer* destination;
+    ucp_tag_t tag;
+  };
   static void onSent(void* request, ucs_status_t status, void* userData);
   static void onReceived(void* request, ucs_status_t status, const ucp_tag_recv_info_t* info,
                          void* userData);
+  bool streamReached(const Op& op) const;
+  void postRecv(const std::shared_ptr<Op>& recv, ucp_tag_t tag);
+  void postSend(const std::shared_ptr<Op>& send, Peer& destination, ucp_tag_t tag);
   void finish(Transfer& transfer, void* request, const Status& status);
   ucp_request_param_t requestParams(Transfer& transfer) const;
 
   UcxWorker& worker_;
+  const cuda::FlagSegment& flags_;
   Done onDone_;
+  std::vector<Waiting> waiting_;
 };
 
 }  // namespace smfree::engine
