@@ -65,11 +65,13 @@ def run_ranks(
     expect_exit: tuple[int, ...] = (),
     cuda: bool = False,
     env: dict | None = None,
+    rank_env: dict[int, dict] | None = None,
 ) -> list:
     """Values returned by `fn` on each rank, in rank order.
 
     Ranks listed in `expect_exit` may end without a result (they kill themselves). With
-    `cuda`, rank r uses cuda:r. `env` is added to each rank's environment.
+    `cuda`, rank r uses cuda:r. `env` is added to each rank's environment, then
+    `rank_env[r]` to rank r's.
     """
     env = dict(env or {})
     if cuda:
@@ -81,8 +83,8 @@ def run_ranks(
         procs = [
             ctx.Process(
                 target=_run_rank,
-                args=(fn, rank, world_size, init_file, backend, group_timeout_s, env, args,
-                      results),
+                args=(fn, rank, world_size, init_file, backend, group_timeout_s,
+                      {**env, **(rank_env or {}).get(rank, {})}, args, results),
                 daemon=True,
             )
             for rank in range(world_size)

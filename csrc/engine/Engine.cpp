@@ -48,7 +48,8 @@ const char* channelName(ChannelKind kind) {
 }
 
 std::string mismatchMessage(const GroupConfig& group, const ReadyToSend& send, const Op& recv) {
-  return concat("size or dtype mismatch in group '", group.name, "', tag ", send.tag, ": rank ",
+  const char* what = send.desc.device != recv.request.desc.device ? "device" : "size or dtype";
+  return concat(what, " mismatch in group '", group.name, "', tag ", send.tag, ": rank ",
                 send.source, " sends ", send.desc.describe(), " to rank ", group.rank,
                 ", which receives into ", recv.request.desc.describe());
 }
