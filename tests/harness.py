@@ -133,3 +133,17 @@ def _now() -> float:
     import time
 
     return time.monotonic()
+
+
+def received_fills(peer: int, count: int, numel: int, device=None) -> list:
+    """In a rank: receives `count` tensors from `peer`; the value each was filled with, or None
+    where its elements differ."""
+    import torch
+    import torch.distributed as dist
+
+    values = []
+    for _ in range(count):
+        buf = torch.empty(numel, device=device)
+        dist.recv(buf, peer)
+        values.append(buf[0].item() if torch.all(buf == buf[0]) else None)
+    return values

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import run_ranks
+from harness import received_fills, run_ranks
 
 pytestmark = pytest.mark.gpu
 
@@ -426,12 +426,7 @@ def _dropped_tensors(rank, world):
             work.wait()
         torch.cuda.synchronize()
         return None
-    values = []
-    for _ in range(16):
-        buf = torch.empty(1 << 20, device=dev)
-        dist.recv(buf, 0)
-        values.append(buf[0].item() if torch.all(buf == buf[0]) else None)
-    return values
+    return received_fills(0, 16, 1 << 20, dev)
 
 
 def test_engine_holds_cuda_tensors_until_moved():
@@ -454,12 +449,7 @@ def _swapped_cuda_data(rank, world):
         torch.cuda.synchronize()
         return None
     time.sleep(1.0)
-    values = []
-    for _ in range(8):
-        buf = torch.empty(1 << 20, device=dev)
-        dist.recv(buf, 0)
-        values.append(buf[0].item() if torch.all(buf == buf[0]) else None)
-    return values
+    return received_fills(0, 8, 1 << 20, dev)
 
 
 def test_memory_of_a_cuda_tensor_whose_data_is_swapped_after_isend_is_held():
@@ -493,11 +483,11 @@ def test_peer_killed_mid_transfer_fails_the_pending_recv():
     assert waited < 60
 
 
-def _host_to_cuda(rank, world):
+def _send_once(rank, world, from_cuda):
     dev = torch.device("cuda", rank)
     try:
         if rank == 0:
-            dist.send(torch.arange(1024, dtype=torch.float32), 1)
+            dist.send(torch.ones(1024, device=dev if from_cuda else "cpu"), 1)
         else:
             dist.recv(torch.zeros(1024, device=dev), 0)
         return None
@@ -506,24 +496,12 @@ def _host_to_cuda(rank, world):
 
 
 def test_cpu_send_into_cuda_recv_fails_on_both_ranks():
-    for error in run_ranks(_host_to_cuda, 2, cuda=True, group_timeout_s=30):
+    for error in run_ranks(_send_once, 2, False, cuda=True, group_timeout_s=30):
         assert error and "device mismatch" in error and "on cuda" in error, error
 
 
-def _cuda_send(rank, world):
-    dev = torch.device("cuda", rank)
-    try:
-        if rank == 0:
-            dist.send(torch.ones(1024, device=dev), 1)
-        else:
-            dist.recv(torch.zeros(1024, device=dev), 0)
-        return None
-    except dist.DistBackendError as error:
-        return str(error)
-
-
 def test_ranks_on_different_transports_fail_on_both_ranks():
-    errors = run_ranks(_cuda_send, 2, cuda=True, group_timeout_s=30,
+    errors = run_ranks(_send_once, 2, True, cuda=True, group_timeout_s=30,
                        rank_env={0: {"SMFREE_TRANSPORT": "ucx"},
                                  1: {"SMFREE_TRANSPORT": "copy_engine"}})
     for error in errors:

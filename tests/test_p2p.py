@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import run_ranks
+from harness import received_fills, run_ranks
 
 DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
@@ -322,13 +322,7 @@ def _dropped_tensors(rank, world):
             work.wait()
         return None
     dist.barrier()
-    values = []
-    for _ in range(8):
-        buf = torch.empty(1 << 18)
-        dist.recv(buf, peer)
-        assert torch.all(buf == buf[0])
-        values.append(buf[0].item())
-    return values
+    return received_fills(peer, 8, 1 << 18)
 
 
 def test_engine_holds_tensors_until_transfer_done():
@@ -351,12 +345,7 @@ def _swapped_data(rank, world):
             work.wait()
         return None
     dist.barrier()
-    values = []
-    for _ in range(8):
-        buf = torch.empty(1 << 18)
-        dist.recv(buf, peer)
-        values.append(buf[0].item() if torch.all(buf == buf[0]) else None)
-    return values
+    return received_fills(peer, 8, 1 << 18)
 
 
 def test_memory_of_a_tensor_whose_data_is_swapped_after_isend_is_held():
