@@ -773,7 +773,9 @@ def print_header(meta: dict) -> None:
     print(f"torch {meta['torch']} (CUDA {meta['cuda']}), NCCL {meta['nccl']}, "
           f"smfree {meta['smfree']}, UCX {meta['ucx'] or 'unknown'}, Python {meta['python']}, "
           f"peer access 0<->1: {meta['peer_access_0_1']}")
-    print(f"command ({meta['launcher']}): {meta['command']}", flush=True)
+    print(f"command ({meta['launcher']}): {meta['command']}")
+    settings = ", ".join(f"{k}={v}" for k, v in meta["env"].items())
+    print(f"environment: {settings or 'no SMFREE_/UCX_/NCCL_ settings'}", flush=True)
 
 
 def print_bandwidth(section: dict) -> None:
