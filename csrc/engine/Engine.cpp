@@ -463,7 +463,7 @@ void Engine::onMatched(GroupState& group, Matcher::Match& match) {
                rts.source, " sends ", rts.desc.describe(), " over ", channelName(rts.channel),
                ", rank ", group.config->rank, " receives into ", recv->request.desc.describe(),
                " over ", channelName(channelKindOf(*recv)),
-               " (CPU tensors always go over UCX; SMFREE_TRANSPORT must be alike on every rank)");
+               " (SMFREE_TRANSPORT must be alike on every rank)");
     complete(recv, Status::failure(StatusCode::kMismatch, why));
     sendControl(*sender, Refusal{group.id, group.config->rank, rts.sendId, StatusCode::kMismatch,
                                  why});

@@ -47,6 +47,9 @@ class Group {
   std::map<std::string, int64_t> stats();
 
  private:
+  // Whether a CUDA op with these ranks moves on the copy engines (else over UCX).
+  bool onCopyEngine(const OpRequest& request) const;
+
   std::shared_ptr<Engine> engine_;
   std::shared_ptr<const GroupConfig> config_;
   std::shared_ptr<KeyValueStore> store_;
@@ -56,9 +59,6 @@ class Group {
   std::mutex keysMutex_;
   std::vector<std::string> processKeys_;  // by rank, once connected
   std::unique_ptr<std::atomic<bool>[]> sameHost_;  // by rank, written before connected_
-
-  // Whether a CUDA op with these ranks moves on the copy engines (else over UCX).
-  bool onCopyEngine(const OpRequest& request) const;
   std::atomic<bool> closed_{false};
 };
 

@@ -10,11 +10,11 @@
 
 namespace smfree::engine {
 
-// Control messages between engines. A send is announced to its receiver, which matches it
-// in posting order and either clears it (the channel then moves the bytes) or refuses it.
 // Which data channel an op uses; both sides of a pair must agree (SMFREE_TRANSPORT).
 enum class ChannelKind : uint8_t { kUcx = 0, kCopyEngine = 1 };
 
+// Control messages between engines. A send is announced to its receiver, which matches it
+// in posting order and either clears it (the channel then moves the bytes) or refuses it.
 struct ReadyToSend {
   uint64_t group = 0;
   int32_t source = 0;  // sender's rank in the group
