@@ -17,7 +17,13 @@ def ucx_location():
     """(include dir, lib dir) of the UCX to build against."""
     home = os.environ.get("UCX_HOME")
     if home:
-        return os.path.join(home, "include"), os.path.join(home, "lib")
+        # lib, or where distributions put it (lib64, Debian's lib/<multiarch>).
+        candidates = [os.path.join(home, "lib"), os.path.join(home, "lib64")]
+        candidates += sorted(glob.glob(os.path.join(home, "lib", "*-linux-gnu")))
+        for lib in candidates:
+            if os.path.exists(os.path.join(lib, "libucp.so")):
+                return os.path.join(home, "include"), lib
+        raise SystemExit(f"UCX_HOME={home}: no libucp.so in {', '.join(candidates)}")
     try:
         import libucx
     except ImportError as error:
