@@ -173,6 +173,18 @@ void wireRejectsTruncatedMessages() {
   CHECK(threw);
 }
 
+void wireRejectsAnUnknownChannel() {
+  auto bytes = encode(rts(0, 0, 0));
+  bytes.back() = 7;  // the channel is the last byte of a ready-to-send
+  bool threw = false;
+  try {
+    decode(bytes.data(), bytes.size());
+  } catch (const Error& error) {
+    threw = std::string(error.what()).find("unknown data channel 7") != std::string::npos;
+  }
+  CHECK(threw);
+}
+
 void flagValuesGrowPerWord() {
   cuda::FlagSegment segment;
   const cuda::Flag first = segment.acquire();
@@ -235,6 +247,7 @@ int main() {
       {"clear returns posted recvs", clearReturnsPostedRecvs},
       {"wire round-trips", wireRoundTrips},
       {"wire rejects truncated messages", wireRejectsTruncatedMessages},
+      {"wire rejects an unknown channel", wireRejectsAnUnknownChannel},
       {"flag values grow per word", flagValuesGrowPerWord},
       {"flag waits follow the GPU comparison", flagWaitsFollowTheGpuComparison},
       {"flag segment runs out loudly", flagSegmentRunsOutLoudly},
