@@ -311,11 +311,20 @@ def test_work_wait_timeout_then_completion_and_future():
     run_ranks(_work_api, 2)
 
 
-def _dropped_tensors(rank, world):
-    # The caller drops its tensor right after isend; the engine keeps it alive.
+def _forgotten_after_isend(rank, world, swap_data):
+    # The caller drops each tensor right after isend, or (swap_data) replaces its `.data` as
+    # Megatron's deallocate_output_tensor does; fresh tensors of the same size then get the
+    # freed memory if nothing holds it. The engine keeps the bytes alive either way.
     peer = 1 - rank
     if rank == 0:
-        works = [dist.isend(torch.full((1 << 18,), float(i)), peer) for i in range(8)]
+        works, junk = [], []
+        for i in range(8):
+            sent = torch.full((1 << 18,), float(i))
+            works.append(dist.isend(sent, peer))
+            if swap_data:
+                sent.data = torch.empty(1)
+                junk.append(torch.full((1 << 18,), -1.0))
+        del sent
         gc.collect()
         dist.barrier()
         for work in works:
@@ -326,27 +335,8 @@ def _dropped_tensors(rank, world):
 
 
 def test_engine_holds_tensors_until_transfer_done():
-    assert run_ranks(_dropped_tensors, 2)[1] == [float(i) for i in range(8)]
-
-
-def _swapped_data(rank, world):
-    # Megatron's deallocate_output_tensor: `.data` of a sent tensor is replaced right after
-    # isend; fresh tensors of the same size then get the freed memory if nothing holds it.
-    peer = 1 - rank
-    if rank == 0:
-        works, junk = [], []
-        for i in range(8):
-            sent = torch.full((1 << 18,), float(i))
-            works.append(dist.isend(sent, peer))
-            sent.data = torch.empty(1)
-            junk.append(torch.full((1 << 18,), -1.0))
-        dist.barrier()
-        for work in works:
-            work.wait()
-        return None
-    dist.barrier()
-    return received_fills(peer, 8, 1 << 18)
+    assert run_ranks(_forgotten_after_isend, 2, False)[1] == [float(i) for i in range(8)]
 
 
 def test_memory_of_a_tensor_whose_data_is_swapped_after_isend_is_held():
-    assert run_ranks(_swapped_data, 2)[1] == [float(i) for i in range(8)]
+    assert run_ranks(_forgotten_after_isend, 2, True)[1] == [float(i) for i in range(8)]

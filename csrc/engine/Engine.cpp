@@ -655,22 +655,23 @@ void Engine::release(const std::shared_ptr<Op>& op) {
     flags_->release(op->cuda->queued);
     flags_->release(op->cuda->done);
     flags_->release(op->cuda->moved);
-    if (flags_->isSet(op->cuda->ready)) {
-      flags_->release(op->cuda->ready);
-    } else {
-      unreachedReadyFlags_.push_back(op->cuda->ready);
-    }
+    releaseOnceWritten(op->cuda->ready);
     retireCuda();
   }
   if (op->streamReady) {
-    if (flags_->isSet(*op->streamReady)) {
-      flags_->release(*op->streamReady);
-    } else {
-      unreachedReadyFlags_.push_back(*op->streamReady);
-    }
+    releaseOnceWritten(*op->streamReady);
     retireCuda();
   }
   live_.erase(op->id);
+}
+
+void Engine::releaseOnceWritten(const cuda::Flag& ready) {
+  // Its stream may still write it: reuse the word only after that write has landed.
+  if (flags_->isSet(ready)) {
+    flags_->release(ready);
+  } else {
+    unreachedReadyFlags_.push_back(ready);
+  }
 }
 
 void Engine::recycleFlags() {
@@ -698,6 +699,15 @@ void Engine::retireCuda() {
   cudaInflightFreed_.notify_one();
 }
 
+void Engine::writeFromStream(const Op& op, const cuda::Flag& flag) {
+  cuda::ContextGuard context(op.request.buffer.device);
+  cuda::check(cuda::driver().cuStreamWriteValue32(
+                  static_cast<CUstream>(op.request.stream),
+                  reinterpret_cast<CUdeviceptr>(flags_->cudaAddress(flag.index)), flag.value,
+                  CU_STREAM_WRITE_VALUE_DEFAULT),
+              "cuStreamWriteValue32 (ready)");
+}
+
 CudaFence Engine::prepareCuda(Op& op, std::chrono::milliseconds timeout) {
   admitCuda(timeout);
   CudaOpState state;
@@ -706,12 +716,7 @@ CudaFence Engine::prepareCuda(Op& op, std::chrono::milliseconds timeout) {
   state.done = flags_->acquire();
   state.moved = flags_->acquire();
   try {
-    cuda::ContextGuard context(op.request.buffer.device);
-    cuda::check(cuda::driver().cuStreamWriteValue32(
-                    static_cast<CUstream>(op.request.stream),
-                    reinterpret_cast<CUdeviceptr>(flags_->cudaAddress(state.ready.index)),
-                    state.ready.value, CU_STREAM_WRITE_VALUE_DEFAULT),
-                "cuStreamWriteValue32 (ready)");
+    writeFromStream(op, state.ready);
   } catch (...) {
     for (const auto& flag : {state.ready, state.queued, state.done, state.moved}) {
       flags_->release(flag);
@@ -732,12 +737,7 @@ void Engine::prepareUcxCuda(Op& op, std::chrono::milliseconds timeout) {
   admitCuda(timeout);
   const cuda::Flag ready = flags_->acquire();
   try {
-    cuda::ContextGuard context(op.request.buffer.device);
-    cuda::check(cuda::driver().cuStreamWriteValue32(
-                    static_cast<CUstream>(op.request.stream),
-                    reinterpret_cast<CUdeviceptr>(flags_->cudaAddress(ready.index)), ready.value,
-                    CU_STREAM_WRITE_VALUE_DEFAULT),
-                "cuStreamWriteValue32 (stream ready)");
+    writeFromStream(op, ready);
   } catch (...) {
     flags_->release(ready);
     retireCuda();
@@ -808,7 +808,7 @@ Peer* Engine::partnerOf(const Op& op) {
 }
 
 Channel& Engine::channelFor(const Op& op) {
-  if (op.cuda) return *copyEngine_;
+  if (channelKindOf(op) == ChannelKind::kCopyEngine) return *copyEngine_;
   return *ucxChannel_;
 }
 

@@ -72,6 +72,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   CudaFence prepareCuda(Op& op, std::chrono::milliseconds timeout);
   // On the caller's thread, for a CUDA op over UCX: its stream's `streamReady` write.
   void prepareUcxCuda(Op& op, std::chrono::milliseconds timeout);
+  // Queues the write of `flag` on the op's stream (the caller's), in its device's context.
+  void writeFromStream(const Op& op, const cuda::Flag& flag);
   // Bounds the CUDA ops in flight (flag words, tensors held), blocking the caller before it
   // enqueues anything on its stream.
   void admitCuda(std::chrono::milliseconds timeout);
@@ -100,6 +102,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   void onPeerFailure(const std::string& processKey, const std::string& why);
   void checkPeers();
   void recycleFlags();
+  void releaseOnceWritten(const cuda::Flag& ready);
   bool referencedByOpenGroup(const Peer& peer) const;
   void sleep();
   void expireOps(Clock::time_point now);
