@@ -340,3 +340,23 @@ def test_engine_holds_tensors_until_transfer_done():
 
 def test_memory_of_a_tensor_whose_data_is_swapped_after_isend_is_held():
     assert run_ranks(_forgotten_after_isend, 2, True)[1] == [float(i) for i in range(8)]
+
+
+def _small_exchanges(rank, world):
+    peer = 1 - rank
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    for i in range(40):
+        got = torch.empty(1024)
+        works = [dist.isend(torch.full((1024,), float(rank * 100 + i)), peer),
+                 dist.irecv(got, peer)]
+        for work in works:
+            work.wait()
+        assert torch.all(got == peer * 100 + i), f"exchange {i}"
+    dist.barrier()
+    return backend._stats()["live_ops"]
+
+
+def test_ops_that_ucx_completes_while_posting_them_are_released():
+    # Over TCP, UCX sends 4 KiB eagerly and may complete the send inside the posting call;
+    # such an op must still be released, with the tensor it holds.
+    assert run_ranks(_small_exchanges, 2, env={"UCX_TLS": "tcp"}) == [0, 0]

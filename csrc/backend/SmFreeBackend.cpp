@@ -68,11 +68,18 @@ c10::intrusive_ptr<c10d::Work> SmFreeBackend::pointToPoint(engine::OpKind kind,
   const char* op = opName(kind, peer);
   checkOpen(op);
   at::Tensor& tensor = checkP2PTensor(tensors, op);
+  const bool onCuda = tensor.device().is_cuda();
+  if (onCuda) {
+    bindDevice(tensor, op);
+  }
+  if (peer != engine::kAnySource) {
+    checkPeer(peer, getRank(), getSize(), op);
+  }
+  // Arguments are checked first, so a bad call gets the same error whatever its peer's state.
   try {
     if (peer == engine::kAnySource) {
       group_->connectAll();
     } else {
-      checkPeer(peer, getRank(), getSize(), op);
       group_->connect(peer);
       if (auto failure = group_->peerFailure(peer)) {
         C10_THROW_ERROR(DistBackendError, c10::str("smfree: ", op, " with rank ", peer,
@@ -83,10 +90,6 @@ c10::intrusive_ptr<c10d::Work> SmFreeBackend::pointToPoint(engine::OpKind kind,
     C10_THROW_ERROR(DistBackendError, error.what());
   }
 
-  const bool onCuda = tensor.device().is_cuda();
-  if (onCuda) {
-    bindDevice(tensor, op);
-  }
   const bool isSend = kind == engine::OpKind::kSend;
   auto work = c10::make_intrusive<SmFreeWork>(
       isSend ? c10d::OpType::SEND : (peer == engine::kAnySource ? c10d::OpType::RECVANYSOURCE

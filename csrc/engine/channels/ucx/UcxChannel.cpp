@@ -12,6 +12,8 @@ namespace smfree::engine {
 struct UcxChannel::Transfer {
   UcxChannel* channel;
   std::shared_ptr<Op> op;
+  // Set while the posting call runs: UCX may complete the request inside that call.
+  bool* finishedWhilePosting = nullptr;
 };
 
 namespace {
@@ -63,20 +65,38 @@ std::string UcxChannel::armRecv(const std::shared_ptr<Op>& recv, Peer&) {
   return channelData;
 }
 
-void UcxChannel::postRecv(const std::shared_ptr<Op>& recv, ucp_tag_t tag) {
-  auto transfer = std::make_unique<Transfer>(Transfer{this, recv});
+template <typename Call>
+ucs_status_t UcxChannel::post(const std::shared_ptr<Op>& op, Call&& call) {
+  auto transfer = std::make_unique<Transfer>(Transfer{this, op});
+  bool finishedWhilePosting = false;
+  transfer->finishedWhilePosting = &finishedWhilePosting;
   ucp_request_param_t params = requestParams(*transfer);
-  params.cb.recv = &UcxChannel::onReceived;
   std::optional<cuda::ContextGuard> context;
-  enterContextOf(recv->request.buffer, context);
-  void* request = ucp_tag_recv_nbx(worker_.handle(), recv->request.buffer.data,
-                                   recv->request.buffer.bytes, tag, kFullMask, &params);
+  enterContextOf(op->request.buffer, context);
+  ++op->outstanding;  // before the call, which may already run the completion callback
+  Transfer* owned = transfer.release();  // owned by the request until its callback
+  void* request = call(params);
   if (UCS_PTR_IS_ERR(request)) {
-    fail("UCX could not post ", recv->describe(), ": ", ucxStatusText(UCS_PTR_STATUS(request)));
+    std::unique_ptr<Transfer> back(owned);  // no callback will come
+    --op->outstanding;
+    return UCS_PTR_STATUS(request);
   }
-  transfer.release();  // owned by the request until onReceived
-  recv->transportRequest = request;
-  ++recv->outstanding;
+  if (!finishedWhilePosting) {
+    owned->finishedWhilePosting = nullptr;
+    op->transportRequest = request;
+  }
+  return UCS_OK;
+}
+
+void UcxChannel::postRecv(const std::shared_ptr<Op>& recv, ucp_tag_t tag) {
+  const ucs_status_t status = post(recv, [&](ucp_request_param_t& params) {
+    params.cb.recv = &UcxChannel::onReceived;
+    return ucp_tag_recv_nbx(worker_.handle(), recv->request.buffer.data,
+                            recv->request.buffer.bytes, tag, kFullMask, &params);
+  });
+  if (status != UCS_OK) {
+    fail("UCX could not post ", recv->describe(), ": ", ucxStatusText(status));
+  }
 }
 
 void UcxChannel::startSend(const std::shared_ptr<Op>& send, Peer& destination,
@@ -97,20 +117,14 @@ void UcxChannel::startSend(const std::shared_ptr<Op>& send, Peer& destination,
 }
 
 void UcxChannel::postSend(const std::shared_ptr<Op>& send, Peer& destination, ucp_tag_t tag) {
-  auto transfer = std::make_unique<Transfer>(Transfer{this, send});
-  ucp_request_param_t params = requestParams(*transfer);
-  params.cb.send = &UcxChannel::onSent;
-  std::optional<cuda::ContextGuard> context;
-  enterContextOf(send->request.buffer, context);
-  void* request = ucp_tag_send_nbx(destination.endpoint->handle(), send->request.buffer.data,
-                                   send->request.buffer.bytes, tag, &params);
-  if (UCS_PTR_IS_ERR(request)) {
-    onDone_(send, transportFailure(*send, UCS_PTR_STATUS(request)));
-    return;
+  const ucs_status_t status = post(send, [&](ucp_request_param_t& params) {
+    params.cb.send = &UcxChannel::onSent;
+    return ucp_tag_send_nbx(destination.endpoint->handle(), send->request.buffer.data,
+                            send->request.buffer.bytes, tag, &params);
+  });
+  if (status != UCS_OK) {
+    onDone_(send, transportFailure(*send, status));
   }
-  transfer.release();  // owned by the request until onSent
-  send->transportRequest = request;
-  ++send->outstanding;
 }
 
 bool UcxChannel::progress() {
@@ -155,6 +169,7 @@ void UcxChannel::cancel(Op& op) {
 
 void UcxChannel::finish(Transfer& transfer, void* request, const Status& status) {
   Op& op = *transfer.op;
+  if (transfer.finishedWhilePosting) *transfer.finishedWhilePosting = true;
   op.transportRequest = nullptr;
   --op.outstanding;
   ucp_request_free(request);

@@ -43,6 +43,9 @@ class UcxChannel final : public Channel {
   bool streamReached(const Op& op) const;
   void postRecv(const std::shared_ptr<Op>& recv, ucp_tag_t tag);
   void postSend(const std::shared_ptr<Op>& send, Peer& destination, ucp_tag_t tag);
+  // Posts one UCX request for `op` through `call(params)`; the status of the posting.
+  template <typename Call>
+  ucs_status_t post(const std::shared_ptr<Op>& op, Call&& call);
   void finish(Transfer& transfer, void* request, const Status& status);
   ucp_request_param_t requestParams(Transfer& transfer) const;
 
