@@ -8,7 +8,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOURCES = ["Matcher.cpp", "Wire.cpp", "TensorDesc.cpp", "Op.cpp", "Log.cpp", "Config.cpp",
-           "cuda/FlagSegment.cpp", "cuda/CudaDriver.cpp"]
+           "cuda/FlagSegment.cpp", "cuda/CudaDriver.cpp", "cuda/IpcExport.cpp"]
 
 
 def cuda_include():

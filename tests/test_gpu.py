@@ -294,37 +294,79 @@ def _churn(rank, world, transfers, cache_size):
     return most_mappings, stats["live_ops"]
 
 
-@pytest.mark.parametrize("cache_size", [4, 1024])
-def test_allocator_churn_keeps_data_right_and_mappings_bounded(cache_size):
+EXPANDABLE = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+
+
+@pytest.mark.parametrize("cache_size,alloc_conf", [(4, {}), (1024, {}), (4, EXPANDABLE)],
+                         ids=["cache4", "cache1024", "cache4-expandable"])
+def test_allocator_churn_keeps_data_right_and_mappings_bounded(cache_size, alloc_conf):
     results = run_ranks(_churn, 2, 300, cache_size, cuda=True, timeout=240,
-                        env={"SMFREE_IPC_CACHE_SIZE": str(cache_size)})
+                        env={"SMFREE_IPC_CACHE_SIZE": str(cache_size), **alloc_conf})
     for most_mappings, live_ops in results:
         assert most_mappings <= cache_size
         assert live_ops == 0
 
 
-def _expandable_segments(rank, world):
+def _spanning_chunks(rank, world):
     dev = torch.device("cuda", rank)
-    got = torch.zeros(1 << 20, device=dev)
-    ops = [dist.P2POp(dist.isend, torch.ones(1 << 20, device=dev), 1 - rank),
-           dist.P2POp(dist.irecv, got, 1 - rank)]
-    try:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+    peer = 1 - rank
+    pad = torch.empty(3 << 20, dtype=torch.uint8, device=dev)  # puts the tensor mid-chunk
+    numel = (60 << 20) // 4  # 60 MiB: spans at least three 20 MiB chunks
+    mine = torch.arange(numel, dtype=torch.int32, device=dev) * 3 + rank
+    got = torch.full((numel,), -1, dtype=torch.int32, device=dev)
+    expandable = any(segment.get("is_expandable") for segment in torch.cuda.memory_snapshot())
+    for batched in (True, False):
+        got.fill_(-1)
+        exchange(mine, got, peer, batched=batched)
+        expected = torch.arange(numel, dtype=torch.int32, device=dev) * 3 + peer
+        assert torch.equal(got, expected), f"batched={batched}"
+    del pad
+    return expandable
+
+
+def test_expandable_segments_tensor_spanning_several_chunks():
+    assert run_ranks(_spanning_chunks, 2, cuda=True, env=EXPANDABLE) == [True, True]
+
+
+def _memory_freed_by_its_owner(rank, world):
+    dev = torch.device("cuda", rank)
+    backend = dist.group.WORLD._get_backend(dev)
+    exchange(torch.ones(8, device=dev), torch.empty(8, device=dev), 1 - rank)  # warm
+    slack = 256 << 20
+    if rank == 1:
         torch.cuda.synchronize()
-        return "ok", bool(torch.all(got == 1))
-    except dist.DistBackendError as error:
-        torch.cuda.synchronize()  # no stream may stay parked
-        return "error", str(error)
+        torch.cuda.empty_cache()
+        baseline = torch.cuda.mem_get_info(dev)[0]
+        got = torch.empty(2 << 30, dtype=torch.uint8, device=dev)
+        dist.recv(got, 0)
+        received = bool(got[::1 << 20].eq(7).all())
+        del got
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # the segment goes back to the driver...
+        deadline = time.monotonic() + 10
+        while torch.cuda.mem_get_info(dev)[0] < baseline - slack and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # ...and so does the memory, once rank 0 closed its mapping of it
+        returned = torch.cuda.mem_get_info(dev)[0] >= baseline - slack
+        dist.barrier()
+        return received, returned
+    before = backend._stats()["ipc_mappings"]
+    dist.send(torch.full((2 << 30,), 7, dtype=torch.uint8, device=dev), 1)
+    during = backend._stats()["ipc_mappings"]  # the copy is still running: rank 1 waits for it
+    torch.cuda.synchronize()
+    dist.barrier()
+    return before, during, backend._stats()["ipc_mappings"]
 
 
 @copy_engine_only
-def test_expandable_segments_fail_clearly_not_silently():
-    results = run_ranks(_expandable_segments, 2, cuda=True, group_timeout_s=15,
-                        env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
-    for outcome, detail in results:
-        assert (outcome, detail) == ("ok", True) or "expandable_segments" in str(detail) \
-            or "timeout" in str(detail) or "gave up" in str(detail), detail
+@pytest.mark.parametrize("alloc_conf", [{}, EXPANDABLE], ids=["cudaMalloc", "expandable"])
+def test_memory_freed_by_its_owner_is_unmapped_by_its_peer(alloc_conf):
+    (before, during, after), (received, returned) = run_ranks(
+        _memory_freed_by_its_owner, 2, cuda=True, env=alloc_conf)
+    assert received
+    assert during == before + 1
+    assert after <= before, "the mapping of the freed buffer is still open"
+    assert returned, "the peer's mapping still holds the freed memory"
 
 
 def _zero_kernels(rank, world):

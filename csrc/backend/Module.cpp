@@ -58,7 +58,7 @@ PYBIND11_MODULE(_C, module) {
       .def("dump_pending", &smfree::SmFreeBackend::dumpPending,
            py::call_guard<py::gil_scoped_release>())
       .def("_stats", &smfree::SmFreeBackend::stats, py::call_guard<py::gil_scoped_release>(),
-           "Engine-wide counters: live_ops, ipc_mappings, flag_words_in_use.");
+           "Engine-wide counters: live_ops, ipc_mappings, ipc_exports, flag_words_in_use.");
 
   module.def("_doctor", &doctorReport, "UCX and GPU facts for smfree_pg.doctor.");
 

@@ -20,6 +20,9 @@ namespace smfree::engine {
 namespace {
 
 constexpr auto kExpiryScanInterval = std::chrono::milliseconds(20);
+// How often exported CUDA memory is checked for having been freed: what a peer's mapping
+// keeps of the memory after the allocator released it is held for about this long.
+constexpr auto kExportSweepInterval = std::chrono::milliseconds(50);
 // Longest sleep, so expiry is noticed promptly while idle.
 constexpr timespec kIdleSleep{0, 50'000'000};
 // While copies are pending the thread also watches memory, which wakes no fd: it waits for
@@ -171,6 +174,7 @@ void Engine::run() {
   prctl(PR_SET_TIMERSLACK, 1000UL);
   auto lastActivity = Clock::now();
   auto lastScan = lastActivity;
+  auto lastSweep = lastActivity;
   while (runCommands()) {
     bool active = copyEngine_->progress();
     active = ucxChannel_->progress() || active;
@@ -186,6 +190,10 @@ void Engine::run() {
       recycleFlags();
       expireOps(now);
       lastScan = now;
+    }
+    if (now - lastSweep >= kExportSweepInterval) {
+      announceReleasedMemory();
+      lastSweep = now;
     }
     if (now - lastActivity < config_.spin || !worker_->arm()) {
       continue;
@@ -216,6 +224,20 @@ void Engine::sleep() {
   if (ppoll(events.data(), events.size(), &timeout, nullptr) > 0 && events.size() > 1) {
     checkPeers();
   }
+}
+
+void Engine::announceReleasedMemory() {
+  if (copyEngine_->ipcExports() == 0) return;
+  for (auto& [key, ids] : copyEngine_->sweepExports()) {
+    auto it = peers_.find(key);
+    if (it != peers_.end() && !it->second->failed) {
+      sendControl(*it->second, MemoryReleased{local_.processKey, std::move(ids)});
+    }
+  }
+}
+
+void Engine::onMemoryReleased(const MemoryReleased& message) {
+  copyEngine_->memoryReleased(message.owner, message.ids);
 }
 
 void Engine::checkPeers() {
@@ -356,6 +378,7 @@ std::string Engine::dumpPending(uint64_t groupId) {
 std::map<std::string, int64_t> Engine::stats() {
   return {{"live_ops", static_cast<int64_t>(live_.size())},
           {"ipc_mappings", static_cast<int64_t>(copyEngine_->ipcMappings())},
+          {"ipc_exports", static_cast<int64_t>(copyEngine_->ipcExports())},
           {"flag_words_in_use", static_cast<int64_t>(flags_->inUse())}};
 }
 
@@ -399,6 +422,7 @@ void Engine::onControlMessage(const void* data, size_t length) {
         if constexpr (std::is_same_v<T, ClearToSend>) onClearToSend(message);
         if constexpr (std::is_same_v<T, Refusal>) onRefusal(message);
         if constexpr (std::is_same_v<T, Cancellation>) onCancellation(message);
+        if constexpr (std::is_same_v<T, MemoryReleased>) onMemoryReleased(message);
       },
       decode(data, length));
 }

@@ -97,6 +97,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   void onClearToSend(const ClearToSend& message);
   void onRefusal(const Refusal& message);
   void onCancellation(const Cancellation& message);
+  void onMemoryReleased(const MemoryReleased& message);
+  void announceReleasedMemory();
   void onMatched(GroupState& group, Matcher::Match& match);
   void onTransferDone(const std::shared_ptr<Op>& op, const Status& status);
   void onPeerFailure(const std::string& processKey, const std::string& why);

@@ -8,7 +8,13 @@
 namespace smfree::engine {
 namespace {
 
-enum class MessageType : uint8_t { kReadyToSend = 1, kClearToSend, kRefusal, kCancellation };
+enum class MessageType : uint8_t {
+  kReadyToSend = 1,
+  kClearToSend,
+  kRefusal,
+  kCancellation,
+  kMemoryReleased
+};
 
 class Writer {
  public:
@@ -118,6 +124,13 @@ void write(Writer& w, const Cancellation& m) {
   w.put(m.reason);
 }
 
+void write(Writer& w, const MemoryReleased& m) {
+  w.put(MessageType::kMemoryReleased);
+  w.put(m.owner);
+  w.put<uint32_t>(static_cast<uint32_t>(m.ids.size()));
+  for (uint64_t id : m.ids) w.put(id);
+}
+
 }  // namespace
 
 std::vector<uint8_t> encode(const ControlMessage& message) {
@@ -169,6 +182,13 @@ ControlMessage decode(const void* data, size_t length) {
       m.seq = r.get<uint64_t>();
       m.recvId = r.get<uint64_t>();
       m.reason = r.getString();
+      return m;
+    }
+    case MessageType::kMemoryReleased: {
+      MemoryReleased m;
+      m.owner = r.getString();
+      const auto count = r.get<uint32_t>();
+      for (uint32_t i = 0; i < count; ++i) m.ids.push_back(r.get<uint64_t>());
       return m;
     }
   }

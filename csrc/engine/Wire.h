@@ -52,7 +52,15 @@ struct Cancellation {
   std::string reason;
 };
 
-using ControlMessage = std::variant<ReadyToSend, ClearToSend, Refusal, Cancellation>;
+// The owner freed or unmapped CUDA memory it had exported to the receiver (buffer ids of
+// allocations, block ids of chunks): the receiver closes its mappings, which hold the memory.
+struct MemoryReleased {
+  std::string owner;  // the owner's process key
+  std::vector<uint64_t> ids;
+};
+
+using ControlMessage =
+    std::variant<ReadyToSend, ClearToSend, Refusal, Cancellation, MemoryReleased>;
 
 std::vector<uint8_t> encode(const ControlMessage& message);
 // Throws Error on a truncated or unknown message.

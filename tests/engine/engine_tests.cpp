@@ -1,5 +1,5 @@
-// Plain C++ tests of the torch-free engine pieces: matching order, the wire format, flag
-// words and descriptors. Built and run by tests/test_engine_cpp.py.
+// Plain C++ tests of the torch-free engine pieces: matching order, the wire format, buffer
+// exports, flag words and descriptors. Built and run by tests/test_engine_cpp.py.
 
 #include <cstdio>
 #include <functional>
@@ -12,6 +12,7 @@
 #include "engine/Matcher.h"
 #include "engine/Wire.h"
 #include "engine/cuda/FlagSegment.h"
+#include "engine/cuda/IpcExport.h"
 
 using namespace smfree::engine;
 
@@ -160,6 +161,11 @@ void wireRoundTrips() {
   auto cancellationBack = std::get<Cancellation>(decode(bytes.data(), bytes.size()));
   CHECK(cancellationBack.seq == 4 && cancellationBack.recvId == 5);
   CHECK(cancellationBack.reason == "timed out");
+
+  bytes = encode(MemoryReleased{"owner-key", {3, 1ull << 40}});
+  auto releasedBack = std::get<MemoryReleased>(decode(bytes.data(), bytes.size()));
+  CHECK(releasedBack.owner == "owner-key");
+  CHECK((releasedBack.ids == std::vector<uint64_t>{3, 1ull << 40}));
 }
 
 void wireRejectsTruncatedMessages() {
@@ -183,6 +189,62 @@ void wireRejectsAnUnknownChannel() {
     threw = std::string(error.what()).find("unknown data channel 7") != std::string::npos;
   }
   CHECK(threw);
+}
+
+cuda::IpcExport chunkedExport() {
+  cuda::IpcExport e;
+  e.kind = cuda::IpcExport::Kind::kShareable;
+  e.device = 1;
+  e.address = (64ull << 20) + 4096;
+  e.chunks = {{64ull << 20, 20ull << 20, 7, 31, 0}, {84ull << 20, 20ull << 20, 9, 32, 0}};
+  return e;
+}
+
+bool readFails(const std::string& bytes, const char* expected) {
+  try {
+    cuda::IpcExport::read(bytes.data(), bytes.size());
+  } catch (const Error& error) {
+    return std::string(error.what()).find(expected) != std::string::npos;
+  }
+  return false;
+}
+
+void bufferExportsRoundTrip() {
+  std::string bytes;
+  chunkedExport().appendTo(bytes);
+  const cuda::IpcExport back = cuda::IpcExport::read(bytes.data(), bytes.size());
+  CHECK(back.kind == cuda::IpcExport::Kind::kShareable && back.device == 1);
+  CHECK(back.address == (64ull << 20) + 4096 && back.start() == 64ull << 20);
+  CHECK(back.chunks.size() == 2 && back.chunks[1].blockId == 9 && back.chunks[1].ownerFd == 32);
+
+  cuda::IpcExport legacy;
+  legacy.base = 4096;
+  legacy.address = 4096 + 100;
+  legacy.bufferId = 77;
+  legacy.handle.reserved[0] = 'x';
+  std::string legacyBytes;
+  legacy.appendTo(legacyBytes);
+  const cuda::IpcExport legacyBack = cuda::IpcExport::read(legacyBytes.data(), legacyBytes.size());
+  CHECK(legacyBack.kind == cuda::IpcExport::Kind::kIpcHandle && legacyBack.start() == 4096);
+  CHECK(legacyBack.bufferId == 77 && legacyBack.handle.reserved[0] == 'x');
+  CHECK(legacyBack.chunks.empty());
+}
+
+void bufferExportsRejectMalformedBytes() {
+  std::string bytes;
+  chunkedExport().appendTo(bytes);
+  CHECK(readFails(bytes.substr(0, 10), "shorter than its"));
+  CHECK(readFails(bytes.substr(0, bytes.size() - 1), "2 chunks in"));
+  cuda::IpcExport gap = chunkedExport();
+  gap.chunks[1].base += 2ull << 20;
+  std::string gapBytes;
+  gap.appendTo(gapBytes);
+  CHECK(readFails(gapBytes, "chunk 1 does not follow chunk 0"));
+  cuda::IpcExport empty = chunkedExport();
+  empty.chunks.clear();
+  std::string emptyBytes;
+  empty.appendTo(emptyBytes);
+  CHECK(readFails(emptyBytes, "0 chunks"));
 }
 
 void flagValuesGrowPerWord() {
@@ -248,6 +310,8 @@ int main() {
       {"wire round-trips", wireRoundTrips},
       {"wire rejects truncated messages", wireRejectsTruncatedMessages},
       {"wire rejects an unknown channel", wireRejectsAnUnknownChannel},
+      {"buffer exports round-trip", bufferExportsRoundTrip},
+      {"buffer exports reject malformed bytes", bufferExportsRejectMalformedBytes},
       {"flag values grow per word", flagValuesGrowPerWord},
       {"flag waits follow the GPU comparison", flagWaitsFollowTheGpuComparison},
       {"flag segment runs out loudly", flagSegmentRunsOutLoudly},

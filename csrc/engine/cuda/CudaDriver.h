@@ -30,7 +30,16 @@ namespace smfree::engine::cuda {
   X(cuPointerGetAttribute)\
   X(cuIpcGetMemHandle)\
   X(cuIpcOpenMemHandle)\
-  X(cuIpcCloseMemHandle)
+  X(cuIpcCloseMemHandle)\
+  X(cuMemRetainAllocationHandle)\
+  X(cuMemExportToShareableHandle)\
+  X(cuMemImportFromShareableHandle)\
+  X(cuMemRelease)\
+  X(cuMemAddressReserve)\
+  X(cuMemAddressFree)\
+  X(cuMemMap)\
+  X(cuMemUnmap)\
+  X(cuMemSetAccess)
 
 struct Driver {
 #define SMFREE_CUDA_MEMBER(name) decltype(&::name) name = nullptr;

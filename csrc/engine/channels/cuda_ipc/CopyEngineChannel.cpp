@@ -33,20 +33,33 @@ CopyEngineChannel::~CopyEngineChannel() {
 
 std::string CopyEngineChannel::armRecv(const std::shared_ptr<Op>& recv, Peer& source) {
   const CudaOpState& state = *recv->cuda;
-  Clearance clearance{cuda::exportBuffer(recv->request.buffer.data, recv->request.buffer.device),
-                      state.ready, state.queued, state.done, state.moved};
+  const Buffer& buffer = recv->request.buffer;
+  const cuda::IpcExport exported = exporter_.exportBuffer(buffer.data, buffer.bytes,
+                                                          buffer.device, source.address.processKey);
+  std::string clearance =
+      toBytes(ClearanceFlags{state.ready, state.queued, state.done, state.moved});
+  exported.appendTo(clearance);
   ++recv->outstanding;
   moving_.push_back(Transfer{recv, &source, std::nullopt});
-  return toBytes(clearance);
+  return clearance;
+}
+
+CopyEngineChannel::Clearance CopyEngineChannel::readClearance(const Op& send,
+                                                              const std::string& channelData) {
+  Clearance clearance;
+  if (channelData.size() < sizeof(ClearanceFlags)) {
+    fail("malformed clear-to-send for ", send.describe(), " (", channelData.size(), " B)");
+  }
+  std::memcpy(&clearance.flags, channelData.data(), sizeof(ClearanceFlags));
+  clearance.destination = cuda::IpcExport::read(channelData.data() + sizeof(ClearanceFlags),
+                                                channelData.size() - sizeof(ClearanceFlags));
+  return clearance;
 }
 
 void CopyEngineChannel::startSend(const std::shared_ptr<Op>& send, Peer& destination,
                                   const std::string& channelData) {
-  Clearance clearance;
-  if (channelData.size() != sizeof(clearance)) {
-    fail("malformed clear-to-send for ", send->describe(), " (", channelData.size(), " B)");
-  }
-  std::memcpy(&clearance, channelData.data(), sizeof(clearance));
+  const Clearance clearance = readClearance(*send, channelData);
+  const ClearanceFlags& theirs = clearance.flags;
   if (!destination.flags) {
     destination.flags = std::make_unique<cuda::RemoteFlagSegment>(destination.address.flagSegment);
   }
@@ -57,11 +70,11 @@ void CopyEngineChannel::startSend(const std::shared_ptr<Op>& send, Peer& destina
     enqueueCopy(*send, destination, clearance, dmaStream(device, clearance.destination.device));
   } catch (const Error&) {
     // `moved` without `done` tells the receiver that the send gave up.
-    peerFlags.set(clearance.queued);
-    peerFlags.set(clearance.moved);
+    peerFlags.set(theirs.queued);
+    peerFlags.set(theirs.moved);
     throw;
   }
-  peerFlags.set(clearance.queued);
+  peerFlags.set(theirs.queued);
   flags_.set(send->cuda->queued);
   ++send->outstanding;
   moving_.push_back(Transfer{send, &destination, clearance});
@@ -74,14 +87,16 @@ void CopyEngineChannel::enqueueCopy(const Op& send, Peer& peer, const Clearance&
   // Both `ready` writes were submitted when the ops were posted, before this clearance.
   const std::pair<void*, cuda::Flag> waits[] = {
       {flags_.cudaAddress(send.cuda->ready.index), send.cuda->ready},
-      {peerFlags.cudaAddress(clearance.ready.index), clearance.ready},
+      {peerFlags.cudaAddress(clearance.flags.ready.index), clearance.flags.ready},
   };
   for (const auto& [word, flag] : waits) {
     cuda::check(d.cuStreamWaitValue32(stream, address(word), flag.value, CU_STREAM_WAIT_VALUE_GEQ),
                 "cuStreamWaitValue32 (ready)");
   }
+  const int device = send.request.buffer.device;
+  const int ownerPidfd = peer.watch ? peer.watch->fd() : -1;
   void* destination =
-      ipc_.acquire(peer.address.processKey, clearance.destination, send.request.buffer.device);
+      ipc_.acquire(peer.address.processKey, ownerPidfd, clearance.destination, device);
   try {
     cuda::check(d.cuMemcpyAsync(address(destination), address(send.request.buffer.data),
                                 send.request.buffer.bytes, stream),
@@ -89,8 +104,8 @@ void CopyEngineChannel::enqueueCopy(const Op& send, Peer& peer, const Clearance&
     // `done` before `moved` on each side: whoever sees `moved` also sees `done`, so `moved`
     // without `done` can only mean a send given up before its copy.
     const std::pair<void*, cuda::Flag> writes[] = {
-        {peerFlags.cudaAddress(clearance.done.index), clearance.done},
-        {peerFlags.cudaAddress(clearance.moved.index), clearance.moved},
+        {peerFlags.cudaAddress(clearance.flags.done.index), clearance.flags.done},
+        {peerFlags.cudaAddress(clearance.flags.moved.index), clearance.flags.moved},
         {flags_.cudaAddress(send.cuda->done.index), send.cuda->done},
         {flags_.cudaAddress(send.cuda->moved.index), send.cuda->moved},
     };
@@ -100,7 +115,7 @@ void CopyEngineChannel::enqueueCopy(const Op& send, Peer& peer, const Clearance&
                   "cuStreamWriteValue32");
     }
   } catch (const Error&) {
-    ipc_.done(peer.address.processKey, clearance.destination);
+    ipc_.done(peer.address.processKey, clearance.destination, device);
     throw;
   }
 }
@@ -127,7 +142,8 @@ bool CopyEngineChannel::finishMove(Transfer& transfer) {
   }
   --op.outstanding;
   if (op.isSend()) {
-    ipc_.done(transfer.peer->address.processKey, transfer.clearance->destination);
+    ipc_.done(transfer.peer->address.processKey, transfer.clearance->destination,
+              op.request.buffer.device);
     onDone_(transfer.op, Status::success());
   } else if (flags_.isSet(op.cuda->done)) {
     onDone_(transfer.op, Status::success());
@@ -164,7 +180,7 @@ void CopyEngineChannel::releaseReadiness(Transfer& send) {
   // A submitted copy cannot be taken back; letting it run keeps no stream parked on a
   // `ready` that may never come (a wedged or dead peer).
   flags_.set(send.op->cuda->ready);
-  send.peer->flags->set(send.clearance->ready);
+  send.peer->flags->set(send.clearance->flags.ready);
 }
 
 std::list<CopyEngineChannel::Transfer>::iterator CopyEngineChannel::abandon(
@@ -202,8 +218,8 @@ std::string CopyEngineChannel::describeWait(const Op& op) const {
                             flag("moved", flags_.wordOf(state.moved), state.moved));
   for (const Transfer& send : moving_) {
     if (send.op.get() == &op && send.clearance) {
-      text += concat(", peer ", flag("ready", send.peer->flags->wordOf(send.clearance->ready),
-                                     send.clearance->ready));
+      const cuda::Flag& theirs = send.clearance->flags.ready;
+      text += concat(", peer ", flag("ready", send.peer->flags->wordOf(theirs), theirs));
     }
   }
   return text;

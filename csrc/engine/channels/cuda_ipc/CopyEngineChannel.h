@@ -5,11 +5,14 @@
 #include <list>
 #include <map>
 #include <optional>
+#include <string>
 #include <utility>
+#include <vector>
 
 #include "engine/Channel.h"
 #include "engine/cuda/FlagSegment.h"
-#include "engine/cuda/IpcMemory.h"
+#include "engine/cuda/IpcCache.h"
+#include "engine/cuda/IpcExport.h"
 
 namespace smfree::engine {
 
@@ -37,23 +40,35 @@ class CopyEngineChannel final : public Channel {
   void peerFailed(Peer& peer) override;
 
   size_t ipcMappings() const { return ipc_.size(); }
+  size_t ipcExports() const { return exporter_.size(); }
+  // Per peer, the ids of memory exported to it that its owner (this process) has since freed
+  // or unmapped; the peer is to close its mappings (memoryReleased()).
+  std::map<std::string, std::vector<uint64_t>> sweepExports() { return exporter_.sweep(); }
+  void memoryReleased(const std::string& owner, const std::vector<uint64_t>& ids) {
+    ipc_.forget(owner, ids);
+  }
   // For the pending-op table: which flags an op still waits for, as "name index:word/wanted".
   std::string describeWait(const Op& op) const;
 
  private:
-  // What the receiver's clear-to-send carries.
-  struct Clearance {
-    cuda::IpcExport destination;
+  // What the receiver's clear-to-send carries: its flags, then where to write.
+  struct ClearanceFlags {
     cuda::Flag ready;
     cuda::Flag queued;
     cuda::Flag done;
     cuda::Flag moved;
+  };
+  struct Clearance {
+    ClearanceFlags flags;
+    cuda::IpcExport destination;
   };
   struct Transfer {
     std::shared_ptr<Op> op;
     Peer* peer;
     std::optional<Clearance> clearance;  // sends only
   };
+
+  static Clearance readClearance(const Op& send, const std::string& channelData);
 
   void enqueueCopy(const Op& send, Peer& peer, const Clearance& clearance, CUstream stream);
   // Lets a submitted copy run whatever the callers' streams do: used when an op fails.
@@ -65,6 +80,7 @@ class CopyEngineChannel final : public Channel {
   CUstream dmaStream(int localDevice, int peerDevice);
 
   cuda::FlagSegment& flags_;
+  cuda::IpcExporter exporter_;
   cuda::IpcCache ipc_;
   Done onDone_;
   std::map<std::pair<int, int>, CUstream> streams_;
