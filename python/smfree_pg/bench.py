@@ -37,8 +37,10 @@ import shlex
 import socket
 import statistics
 import sys
+import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from importlib import metadata
@@ -513,16 +515,35 @@ class Traffic:
     chunks: int
     stream: torch.cuda.Stream
 
-    def post(self, group) -> tuple[torch.cuda.Event, torch.cuda.Event]:
-        """Posts every exchange now (the CPU does not wait for them); returns start/end events."""
+    def post(self, group) -> tuple[torch.cuda.Event, torch.cuda.Event, Callable[[], None]]:
+        """Posts every exchange from a thread of its own, so that the GEMM loop is queued at once
+        even where wait() holds the CPU until the bytes have moved (smfree over UCX).
+
+        Returns start/end events and a function that joins the thread, raising its error.
+        """
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(self.stream):
-            start.record()
-            for _ in range(self.chunks):
-                exchange(group, self.send, self.recv, self.peer)
-            end.record()
-        return start, end
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                with torch.cuda.device(self.send.device), torch.cuda.stream(self.stream):
+                    start.record()
+                    for _ in range(self.chunks):
+                        exchange(group, self.send, self.recv, self.peer)
+                    end.record()
+            except BaseException as error:  # noqa: BLE001 - raised again by join()
+                errors.append(error)
+
+        thread = threading.Thread(target=run, name="bench-traffic")
+        thread.start()
+
+        def join() -> None:
+            thread.join()
+            if errors:
+                raise errors[0]
+
+        return start, end, join
 
 
 def gemm_loop(a, b, c, count: int) -> tuple[torch.cuda.Event, torch.cuda.Event]:
@@ -547,6 +568,8 @@ def overlap_trial(ctx: Ctx, backend: str | None, traffic: Traffic | None, matric
     barrier(ctx)
     transfer = traffic.post(ctx.groups[backend]) if moving else None
     gemm = gemm_loop(*matrices, count)
+    if moving:
+        transfer[2]()
     torch.cuda.synchronize()
     sample = {"gemm_ms": gemm[0].elapsed_time(gemm[1]) / count}
     if not moving:
