@@ -227,7 +227,6 @@ void Engine::sleep() {
 }
 
 void Engine::announceReleasedMemory() {
-  if (copyEngine_->ipcExports() == 0) return;
   for (auto& [key, ids] : copyEngine_->sweepExports()) {
     auto it = peers_.find(key);
     if (it != peers_.end() && !it->second->failed) {

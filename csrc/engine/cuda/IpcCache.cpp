@@ -105,24 +105,21 @@ void PeerMapping::close() {
   address_ = 0;
 }
 
-IpcCache::Identity IpcCache::identityOf(const IpcExport& exported, int localDevice) {
-  Identity identity{static_cast<uint64_t>(exported.kind), static_cast<uint64_t>(localDevice)};
+bool IpcCache::maps(const Entry& entry, const IpcExport& exported, int localDevice) {
+  if (entry.kind != exported.kind || entry.localDevice != localDevice) return false;
   if (exported.kind == IpcExport::Kind::kIpcHandle) {
-    identity.push_back(exported.bufferId);
+    return entry.ids.size() == 1 && entry.ids.front() == exported.bufferId;
   }
-  for (const IpcChunk& chunk : exported.chunks) {
-    identity.push_back(chunk.blockId);
-    identity.push_back(chunk.size);
-  }
-  return identity;
+  return std::equal(entry.ids.begin(), entry.ids.end(), exported.chunks.begin(),
+                    exported.chunks.end(),
+                    [](uint64_t id, const IpcChunk& chunk) { return id == chunk.blockId; });
 }
 
 void* IpcCache::acquire(const std::string& peer, int ownerPidfd, const IpcExport& exported,
                         int localDevice) {
   const Key key{peer, exported.start()};
-  Identity identity = identityOf(exported, localDevice);
   auto it = entries_.find(key);
-  if (it != entries_.end() && it->second.identity != identity) {
+  if (it != entries_.end() && !maps(it->second, exported, localDevice)) {
     retire(it);  // the owner reused the address for other memory: this mapping is stale
     it = entries_.end();
   }
@@ -130,7 +127,8 @@ void* IpcCache::acquire(const std::string& peer, int ownerPidfd, const IpcExport
     evict();
     Entry entry;
     entry.peer = peer;
-    entry.identity = std::move(identity);
+    entry.kind = exported.kind;
+    entry.localDevice = localDevice;
     if (exported.kind == IpcExport::Kind::kIpcHandle) entry.ids.push_back(exported.bufferId);
     for (const IpcChunk& chunk : exported.chunks) entry.ids.push_back(chunk.blockId);
     entry.mapping = std::make_unique<PeerMapping>(exported, ownerPidfd, localDevice);
@@ -146,14 +144,13 @@ void* IpcCache::acquire(const std::string& peer, int ownerPidfd, const IpcExport
 }
 
 void IpcCache::done(const std::string& peer, const IpcExport& exported, int localDevice) {
-  const Identity identity = identityOf(exported, localDevice);
   auto it = entries_.find({peer, exported.start()});
-  if (it != entries_.end() && it->second.identity == identity) {
+  if (it != entries_.end() && maps(it->second, exported, localDevice)) {
     --it->second.inFlight;
     return;
   }
   for (auto entry = closing_.begin(); entry != closing_.end(); ++entry) {
-    if (entry->peer == peer && entry->identity == identity && --entry->inFlight == 0) {
+    if (entry->peer == peer && maps(*entry, exported, localDevice) && --entry->inFlight == 0) {
       closing_.erase(entry);
       return;
     }

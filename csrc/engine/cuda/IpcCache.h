@@ -64,18 +64,18 @@ class IpcCache {
 
  private:
   using Key = std::pair<std::string, uint64_t>;  // (peer, owner's start address)
-  // What must match for a mapping to be the exported memory: kind, device, buffer or block ids.
-  using Identity = std::vector<uint64_t>;
   struct Entry {
     std::string peer;
-    Identity identity;
+    IpcExport::Kind kind = IpcExport::Kind::kIpcHandle;
+    int localDevice = -1;
     std::vector<uint64_t> ids;  // buffer id or block ids of what is mapped
     std::unique_ptr<PeerMapping> mapping;
     int inFlight = 0;
     std::list<Key>::iterator lru;
   };
 
-  static Identity identityOf(const IpcExport& exported, int localDevice);
+  // Whether the entry maps this memory for this device: the owner never reuses an id.
+  static bool maps(const Entry& entry, const IpcExport& exported, int localDevice);
   void retire(std::map<Key, Entry>::iterator it);
   void evict();
 
