@@ -331,7 +331,10 @@ def test_expandable_segments_tensor_spanning_several_chunks():
 def _memory_freed_by_its_owner(rank, world):
     dev = torch.device("cuda", rank)
     backend = dist.group.WORLD._get_backend(dev)
-    exchange(torch.ones(8, device=dev), torch.empty(8, device=dev), 1 - rank)  # warm
+    # Warm. The buffer stays alive: freeing it would unmap its segment at the empty_cache
+    # below and retract the mapping of it at an unknown moment of the counts.
+    warm = torch.empty(8, device=dev)
+    exchange(torch.ones(8, device=dev), warm, 1 - rank)
     slack = 256 << 20
     if rank == 1:
         torch.cuda.synchronize()
@@ -349,6 +352,7 @@ def _memory_freed_by_its_owner(rank, world):
         # ...and so does the memory, once rank 0 closed its mapping of it
         returned = torch.cuda.mem_get_info(dev)[0] >= baseline - slack
         dist.barrier()
+        del warm
         return received, returned
     before = backend._stats()["ipc_mappings"]
     dist.send(torch.full((2 << 30,), 7, dtype=torch.uint8, device=dev), 1)

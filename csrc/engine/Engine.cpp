@@ -658,11 +658,12 @@ void Engine::complete(const std::shared_ptr<Op>& op, const Status& status) {
       log(LogLevel::kError, "completion callback of ", op->describe(), " threw: ", error.what());
     }
   }
-  // No copy will write `done` for a failed op or an empty one: no user stream stays parked.
-  // After the callback, so a caller that sees `queued` also sees the error.
+  // No copy will signal a failed op or an empty one: no user stream stays parked (a send's
+  // `copied`, never recorded then, holds no wait). After the callback, so a caller that sees
+  // `queued` also sees the error.
   if (op->cuda && (!status.ok() || op->request.desc.bytes == 0)) {
     flags_->set(op->cuda->queued);
-    flags_->set(op->cuda->done);
+    if (!op->isSend()) flags_->set(op->cuda->done);
   }
   release(op);
 }
@@ -674,11 +675,15 @@ void Engine::release(const std::shared_ptr<Op>& op) {
   op->released = true;
   op->request.keepalive.reset();
   if (op->cuda) {
-    // No copy can touch `done` or `moved` any more; `ready` waits for its own stream.
+    // No copy can touch `done` any more; `ready` waits for its own stream. Events go with
+    // the last holder (a work may still make a stream wait on `copied`).
     flags_->release(op->cuda->queued);
-    flags_->release(op->cuda->done);
-    flags_->release(op->cuda->moved);
-    releaseOnceWritten(op->cuda->ready);
+    if (!op->isSend()) {
+      flags_->release(op->cuda->done);
+      releaseOnceWritten(op->cuda->ready);
+    }
+    op->cuda->produced.reset();
+    op->cuda->copied.reset();
     retireCuda();
   }
   if (op->streamReady) {
@@ -734,21 +739,27 @@ void Engine::writeFromStream(const Op& op, const cuda::Flag& flag) {
 CudaFence Engine::prepareCuda(Op& op, std::chrono::milliseconds timeout) {
   admitCuda(timeout);
   CudaOpState state;
-  state.ready = flags_->acquire();
   state.queued = flags_->acquire();
-  state.done = flags_->acquire();
-  state.moved = flags_->acquire();
   try {
-    writeFromStream(op, state.ready);
-  } catch (...) {
-    for (const auto& flag : {state.ready, state.queued, state.done, state.moved}) {
-      flags_->release(flag);
+    if (op.isSend()) {
+      const int device = op.request.buffer.device;
+      state.produced = std::make_shared<cuda::Event>(device);
+      state.copied = std::make_shared<cuda::Event>(device);
+      state.produced->record(static_cast<CUstream>(op.request.stream));
+    } else {
+      state.done = flags_->acquire(kDoneSpan);
+      state.ready = flags_->acquire();
+      writeFromStream(op, state.ready);
     }
+  } catch (...) {
+    flags_->release(state.queued);
+    if (state.done.value != 0) flags_->release(state.done);
+    if (state.ready.value != 0) flags_->release(state.ready);
     retireCuda();
     throw;
   }
   op.cuda = state;
-  return CudaFence{state.queued, state.done};
+  return CudaFence{state.queued, state.done, state.copied};
 }
 
 void Engine::prepareUcxCuda(Op& op, std::chrono::milliseconds timeout) {
@@ -788,7 +799,11 @@ void Engine::awaitQueued(const cuda::Flag& queued, Clock::time_point deadline) {
   }
 }
 
-void Engine::waitOnStream(void* stream, int device, const cuda::Flag& done) {
+void Engine::waitOnStream(void* stream, int device, const CudaFence& fence) {
+  if (fence.copied) {
+    fence.copied->waitOn(static_cast<CUstream>(stream));
+    return;
+  }
   cuda::ContextGuard context(device);
   // The flag says a peer's copy engine finished writing our memory over NVLink; the flush
   // makes those writes visible to the work queued after the wait.
@@ -796,8 +811,8 @@ void Engine::waitOnStream(void* stream, int device, const cuda::Flag& done) {
       CU_STREAM_WAIT_VALUE_GEQ | (cuda::canFlushRemoteWrites(device) ? CU_STREAM_WAIT_VALUE_FLUSH : 0);
   cuda::check(cuda::driver().cuStreamWaitValue32(
                   static_cast<CUstream>(stream),
-                  reinterpret_cast<CUdeviceptr>(flags_->cudaAddress(done.index)), done.value,
-                  flags),
+                  reinterpret_cast<CUdeviceptr>(flags_->cudaAddress(fence.done.index)),
+                  fence.done.value, flags),
               "cuStreamWaitValue32 (done)");
 }
 

@@ -80,7 +80,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   void retireCuda();
   // Blocks the caller until the copy that writes the op's `done` is submitted.
   void awaitQueued(const cuda::Flag& queued, Clock::time_point deadline);
-  void waitOnStream(void* stream, int device, const cuda::Flag& done);
+  void waitOnStream(void* stream, int device, const CudaFence& fence);
 
   // Progress thread.
   void run();

@@ -113,7 +113,7 @@ void Group::awaitQueued(const CudaFence& fence) {
 }
 
 void Group::waitOnStream(void* stream, int device, const CudaFence& fence) {
-  engine_->waitOnStream(stream, device, fence.done);
+  engine_->waitOnStream(stream, device, fence);
 }
 
 void Group::close(StatusCode code, const std::string& reason) {

@@ -263,6 +263,25 @@ void flagValuesGrowPerWord() {
   CHECK(segment.inUse() == 2);
 }
 
+void flagUsesOwnASpanOfValues() {
+  cuda::FlagSegment segment;
+  const cuda::Flag done = segment.acquire(3);
+  segment.release(done);
+  const cuda::Flag next = segment.acquire();
+  CHECK(next.index == done.index);
+  CHECK(next.value == done.value + 3);  // past every value the last use could have written
+}
+
+void settingAFlagNeverLowersItsWord() {
+  cuda::FlagSegment segment;
+  const cuda::Flag done = segment.acquire(3);
+  segment.set(done.plus(2));  // what a GPU (or a peer) wrote first
+  segment.set(done);          // a later release by this process's CPU
+  CHECK(segment.wordOf(done) == done.value + 2);
+  segment.set(done.plus(1));
+  CHECK(segment.wordOf(done) == done.value + 2);
+}
+
 void flagWaitsFollowTheGpuComparison() {
   CHECK(cuda::reached(5, 5));
   CHECK(cuda::reached(6, 5));
@@ -313,6 +332,8 @@ int main() {
       {"buffer exports round-trip", bufferExportsRoundTrip},
       {"buffer exports reject malformed bytes", bufferExportsRejectMalformedBytes},
       {"flag values grow per word", flagValuesGrowPerWord},
+      {"a flag use owns a span of values", flagUsesOwnASpanOfValues},
+      {"setting a flag never lowers its word", settingAFlagNeverLowersItsWord},
       {"flag waits follow the GPU comparison", flagWaitsFollowTheGpuComparison},
       {"flag segment runs out loudly", flagSegmentRunsOutLoudly},
       {"descriptors compare bytes, dtype and device", descriptorsCompareBytesDtypeAndDevice},

@@ -23,6 +23,11 @@ namespace smfree::engine::cuda {
   X(cuStreamDestroy)\
   X(cuStreamWaitValue32)\
   X(cuStreamWriteValue32)\
+  X(cuStreamWaitEvent)\
+  X(cuEventCreate)\
+  X(cuEventDestroy)\
+  X(cuEventRecord)\
+  X(cuEventQuery)\
   X(cuMemcpyAsync)\
   X(cuMemHostRegister)\
   X(cuMemHostUnregister)\

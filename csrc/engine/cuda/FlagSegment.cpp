@@ -30,6 +30,16 @@ void registerHost(volatile uint32_t* words) {
         "cuMemHostRegister of a flag segment");
 }
 
+// Atomic, so that a value a GPU writes meanwhile is not overwritten by a smaller one.
+void raise(volatile uint32_t* word, uint32_t value) {
+  uint32_t* plain = const_cast<uint32_t*>(word);
+  uint32_t seen = __atomic_load_n(plain, __ATOMIC_ACQUIRE);
+  while (!reached(seen, value) &&
+         !__atomic_compare_exchange_n(plain, &seen, value, false, __ATOMIC_ACQ_REL,
+                                      __ATOMIC_ACQUIRE)) {
+  }
+}
+
 }  // namespace
 
 bool reached(uint32_t word, uint32_t value) {
@@ -57,18 +67,20 @@ FlagSegment::~FlagSegment() {
   close(fd_);
 }
 
-Flag FlagSegment::acquire() {
+Flag FlagSegment::acquire(uint32_t span) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (free_.empty()) {
     fail("all ", kWords, " flag words are in use: too many CUDA ops in flight");
   }
   const uint32_t index = free_.back();
   free_.pop_back();
-  uint32_t value = ++generation_[index];
-  if (value == 0) {
-    value = ++generation_[index];
+  uint32_t first = generation_[index] + 1;
+  const uint32_t last = first + (span - 1);
+  if (first == 0 || last < first) {
+    first = 1;  // no value of a use is 0, the word's value before its first use
   }
-  return Flag{index, value};
+  generation_[index] = first + (span - 1);
+  return Flag{index, first};
 }
 
 void FlagSegment::release(const Flag& flag) {
@@ -83,9 +95,7 @@ size_t FlagSegment::inUse() {
 
 bool FlagSegment::isSet(const Flag& flag) const { return reached(words_[flag.index], flag.value); }
 
-void FlagSegment::set(const Flag& flag) const {
-  if (!isSet(flag)) words_[flag.index] = flag.value;
-}
+void FlagSegment::set(const Flag& flag) const { raise(words_ + flag.index, flag.value); }
 
 void* FlagSegment::cudaAddress(uint32_t index) {
   {
@@ -120,9 +130,7 @@ bool RemoteFlagSegment::isSet(const Flag& flag) const {
   return reached(words_[flag.index], flag.value);
 }
 
-void RemoteFlagSegment::set(const Flag& flag) const {
-  if (!isSet(flag)) words_[flag.index] = flag.value;
-}
+void RemoteFlagSegment::set(const Flag& flag) const { raise(words_ + flag.index, flag.value); }
 
 void* RemoteFlagSegment::cudaAddress(uint32_t index) {
   if (!registered_) {

@@ -13,6 +13,8 @@ namespace smfree::engine::cuda {
 struct Flag {
   uint32_t index = 0;
   uint32_t value = 0;
+  // The same word at a later value of this use (see acquire()'s span).
+  Flag plus(uint32_t step) const { return Flag{index, value + step}; }
 };
 
 // Shared host memory holding this process's signal words. CUDA streams (ours and the
@@ -30,14 +32,16 @@ class FlagSegment {
   // Where peers open it: "/proc/<pid>/fd/<fd>".
   const std::string& path() const { return path_; }
 
-  // Thread-safe. Throws when every word is in use.
-  Flag acquire();
+  // Thread-safe. Throws when every word is in use. The use owns `span` values from the one
+  // returned: a word can then say which of several things happened.
+  Flag acquire(uint32_t span = 1);
   void release(const Flag& flag);
 
   size_t inUse();
   bool isSet(const Flag& flag) const;
   uint32_t wordOf(const Flag& flag) const { return words_[flag.index]; }
-  // For failure: releases every stream wait on the flag.
+  // Raises the word to the flag's value unless it is there already: a GPU's later value is
+  // never lowered. For failure: releases every stream wait on the flag.
   void set(const Flag& flag) const;
   // The word as CUDA streams address it; registers the segment with CUDA on first use.
   void* cudaAddress(uint32_t index);

@@ -36,8 +36,7 @@ std::string CopyEngineChannel::armRecv(const std::shared_ptr<Op>& recv, Peer& so
   const Buffer& buffer = recv->request.buffer;
   const cuda::IpcExport exported = exporter_.exportBuffer(buffer.data, buffer.bytes,
                                                           buffer.device, source.address.processKey);
-  std::string clearance =
-      toBytes(ClearanceFlags{state.ready, state.queued, state.done, state.moved});
+  std::string clearance = toBytes(ClearanceFlags{state.ready, state.queued, state.done});
   exported.appendTo(clearance);
   ++recv->outstanding;
   moving_.push_back(Transfer{recv, &source, std::nullopt});
@@ -69,9 +68,8 @@ void CopyEngineChannel::startSend(const std::shared_ptr<Op>& send, Peer& destina
     cuda::ContextGuard context(device);
     enqueueCopy(*send, destination, clearance, dmaStream(device, clearance.destination.device));
   } catch (const Error&) {
-    // `moved` without `done` tells the receiver that the send gave up.
     peerFlags.set(theirs.queued);
-    peerFlags.set(theirs.moved);
+    peerFlags.set(theirs.done.plus(kSenderGaveUp));
     throw;
   }
   peerFlags.set(theirs.queued);
@@ -84,15 +82,13 @@ void CopyEngineChannel::enqueueCopy(const Op& send, Peer& peer, const Clearance&
                                     CUstream stream) {
   const cuda::Driver& d = cuda::driver();
   cuda::RemoteFlagSegment& peerFlags = *peer.flags;
-  // Both `ready` writes were submitted when the ops were posted, before this clearance.
-  const std::pair<void*, cuda::Flag> waits[] = {
-      {flags_.cudaAddress(send.cuda->ready.index), send.cuda->ready},
-      {peerFlags.cudaAddress(clearance.flags.ready.index), clearance.flags.ready},
-  };
-  for (const auto& [word, flag] : waits) {
-    cuda::check(d.cuStreamWaitValue32(stream, address(word), flag.value, CU_STREAM_WAIT_VALUE_GEQ),
-                "cuStreamWaitValue32 (ready)");
-  }
+  // `produced` and the receiver's `ready` were submitted when the ops were posted, before
+  // this clearance.
+  send.cuda->produced->waitOn(stream);
+  const cuda::Flag& ready = clearance.flags.ready;
+  cuda::check(d.cuStreamWaitValue32(stream, address(peerFlags.cudaAddress(ready.index)),
+                                    ready.value, CU_STREAM_WAIT_VALUE_GEQ),
+              "cuStreamWaitValue32 (ready)");
   const int device = send.request.buffer.device;
   const int ownerPidfd = peer.watch ? peer.watch->fd() : -1;
   void* destination =
@@ -101,19 +97,13 @@ void CopyEngineChannel::enqueueCopy(const Op& send, Peer& peer, const Clearance&
     cuda::check(d.cuMemcpyAsync(address(destination), address(send.request.buffer.data),
                                 send.request.buffer.bytes, stream),
                 "cuMemcpyAsync");
-    // `done` before `moved` on each side: whoever sees `moved` also sees `done`, so `moved`
-    // without `done` can only mean a send given up before its copy.
-    const std::pair<void*, cuda::Flag> writes[] = {
-        {peerFlags.cudaAddress(clearance.flags.done.index), clearance.flags.done},
-        {peerFlags.cudaAddress(clearance.flags.moved.index), clearance.flags.moved},
-        {flags_.cudaAddress(send.cuda->done.index), send.cuda->done},
-        {flags_.cudaAddress(send.cuda->moved.index), send.cuda->moved},
-    };
-    for (const auto& [word, flag] : writes) {
-      cuda::check(d.cuStreamWriteValue32(stream, address(word), flag.value,
-                                         CU_STREAM_WRITE_VALUE_DEFAULT),
-                  "cuStreamWriteValue32");
-    }
+    send.cuda->copied->record(stream);
+    // Last, so that a failure to enqueue it leaves no write of the GPU's behind the
+    // kSenderGaveUp that the caller then writes.
+    const cuda::Flag copied = clearance.flags.done.plus(kCopied);
+    cuda::check(d.cuStreamWriteValue32(stream, address(peerFlags.cudaAddress(copied.index)),
+                                       copied.value, CU_STREAM_WRITE_VALUE_DEFAULT),
+                "cuStreamWriteValue32 (done)");
   } catch (const Error&) {
     ipc_.done(peer.address.processKey, clearance.destination, device);
     throw;
@@ -135,17 +125,24 @@ bool CopyEngineChannel::progress() {
 
 bool CopyEngineChannel::finishMove(Transfer& transfer) {
   Op& op = *transfer.op;
-  // A recv also waits for `queued`: the sender's CPU writes it, and nothing may write the
-  // word once it is handed to another op.
-  if (!flags_.isSet(op.cuda->moved) || (!op.isSend() && !flags_.isSet(op.cuda->queued))) {
-    return false;
-  }
-  --op.outstanding;
   if (op.isSend()) {
+    if (!op.cuda->copied->reached()) {
+      return false;
+    }
+    --op.outstanding;
     ipc_.done(transfer.peer->address.processKey, transfer.clearance->destination,
               op.request.buffer.device);
     onDone_(transfer.op, Status::success());
-  } else if (flags_.isSet(op.cuda->done)) {
+    return true;
+  }
+  // A recv also waits for `queued`: the sender's CPU writes it, and nothing may write the
+  // word once it is handed to another op.
+  const cuda::Flag& done = op.cuda->done;
+  if (!flags_.isSet(done.plus(kCopied)) || !flags_.isSet(op.cuda->queued)) {
+    return false;
+  }
+  --op.outstanding;
+  if (flags_.wordOf(done) == done.value + kCopied) {
     onDone_(transfer.op, Status::success());
   } else {
     onDone_(transfer.op, Status::failure(StatusCode::kAborted,
@@ -156,7 +153,7 @@ bool CopyEngineChannel::finishMove(Transfer& transfer) {
 
 void CopyEngineChannel::cancel(Op& op) {
   if (!op.isSend()) {
-    return;  // the sender may still copy: the buffer stays until `moved`
+    return;  // the sender may still copy: the buffer stays until its `done` word says how it ended
   }
   for (Transfer& send : moving_) {
     if (send.op.get() == &op) {
@@ -179,7 +176,6 @@ void CopyEngineChannel::partnerGaveUp(Op& op) {
 void CopyEngineChannel::releaseReadiness(Transfer& send) {
   // A submitted copy cannot be taken back; letting it run keeps no stream parked on a
   // `ready` that may never come (a wedged or dead peer).
-  flags_.set(send.op->cuda->ready);
   send.peer->flags->set(send.clearance->flags.ready);
 }
 
@@ -212,10 +208,15 @@ std::string CopyEngineChannel::describeWait(const Op& op) const {
     return concat(name, " ", wanted.index, ":", word, "/", wanted.value);
   };
   const CudaOpState& state = *op.cuda;
-  std::string text = concat(flag("ready", flags_.wordOf(state.ready), state.ready), ", ",
-                            flag("queued", flags_.wordOf(state.queued), state.queued), ", ",
-                            flag("done", flags_.wordOf(state.done), state.done), ", ",
-                            flag("moved", flags_.wordOf(state.moved), state.moved));
+  std::string text = flag("queued", flags_.wordOf(state.queued), state.queued);
+  if (!op.isSend()) {
+    return concat(text, ", ", flag("ready", flags_.wordOf(state.ready), state.ready), ", ",
+                  flag("done", flags_.wordOf(state.done), state.done.plus(kCopied)));
+  }
+  auto event = [](const char* name, const std::shared_ptr<cuda::Event>& e) {
+    return concat(name, " ", e && e->reached() ? "reached" : "pending");
+  };
+  text += concat(", ", event("produced", state.produced), ", ", event("copied", state.copied));
   for (const Transfer& send : moving_) {
     if (send.op.get() == &op && send.clearance) {
       const cuda::Flag& theirs = send.clearance->flags.ready;

@@ -20,11 +20,12 @@ namespace smfree::engine {
 // buffer, mapped through CUDA IPC, on a DMA stream per (local device, peer device).
 //
 // The copy is submitted as soon as the receiver clears the send: the DMA stream waits for
-// both sides' `ready` (written by the callers' streams when they posted, so already
-// submitted), copies, then writes the receiver's `done` and `moved`, then the sender's.
-// Only then do both sides learn `queued`, and only then may a user stream wait on `done`
-// (see CudaOp.h): every stream wait is for work already submitted, so no posting order and
-// no sharing of hardware queues between streams can deadlock.
+// the sender's `produced` event and the receiver's `ready` word (both submitted when the ops
+// were posted, so before this clearance), copies, records the sender's `copied`, then writes
+// the receiver's `done` word to its kCopied value. Only then do both sides learn `queued`,
+// and only then may a user stream wait for the copy (see CudaOp.h): every stream wait is
+// for work already submitted, so no posting order and no sharing of hardware queues between
+// streams can deadlock.
 class CopyEngineChannel final : public Channel {
  public:
   CopyEngineChannel(cuda::FlagSegment& flags, size_t ipcCacheSize, Done onDone);
@@ -56,7 +57,6 @@ class CopyEngineChannel final : public Channel {
     cuda::Flag ready;
     cuda::Flag queued;
     cuda::Flag done;
-    cuda::Flag moved;
   };
   struct Clearance {
     ClearanceFlags flags;
@@ -71,7 +71,8 @@ class CopyEngineChannel final : public Channel {
   static Clearance readClearance(const Op& send, const std::string& channelData);
 
   void enqueueCopy(const Op& send, Peer& peer, const Clearance& clearance, CUstream stream);
-  // Lets a submitted copy run whatever the callers' streams do: used when an op fails.
+  // Lets a submitted copy run whatever the receiver's stream does: used when an op fails.
+  // (The sender's own stream always reaches `produced`: its waits are released on failure.)
   void releaseReadiness(Transfer& send);
   // Ends a recv whose bytes will not come: fails it (which releases its stream waits) and
   // drops the buffer.

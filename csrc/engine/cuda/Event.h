@@ -1,0 +1,28 @@
+#pragma once
+
+#include <cuda.h>
+
+namespace smfree::engine::cuda {
+
+// A CUDA event of one device, without timing: how a send's streams signal each other inside
+// this process (far cheaper on a copy-engine queue than a memory write; see CudaOp.h).
+class Event {
+ public:
+  explicit Event(int device);
+  ~Event();
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+
+  // Both take the device's context: callers may hold another.
+  void record(CUstream stream);
+  // Makes `stream` wait for the last record, which must already be submitted.
+  void waitOn(CUstream stream) const;
+  // True once the last record has run on the GPU (or if it was never recorded).
+  bool reached() const;
+
+ private:
+  int device_;
+  CUevent event_ = nullptr;
+};
+
+}  // namespace smfree::engine::cuda
