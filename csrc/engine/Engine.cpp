@@ -743,8 +743,8 @@ CudaFence Engine::prepareCuda(Op& op, std::chrono::milliseconds timeout) {
   try {
     if (op.isSend()) {
       const int device = op.request.buffer.device;
-      state.produced = std::make_shared<cuda::Event>(device);
-      state.copied = std::make_shared<cuda::Event>(device);
+      state.produced = cuda::takeEvent(device);
+      state.copied = cuda::takeEvent(device);
       state.produced->record(static_cast<CUstream>(op.request.stream));
     } else {
       state.done = flags_->acquire(kDoneSpan);

@@ -1,9 +1,27 @@
 #include "engine/cuda/Event.h"
 
+#include <map>
+#include <mutex>
+#include <vector>
+
 #include "engine/Error.h"
 #include "engine/cuda/CudaDriver.h"
 
 namespace smfree::engine::cuda {
+namespace {
+
+struct EventPool {
+  std::mutex mutex;
+  std::map<int, std::vector<std::unique_ptr<Event>>> idle;  // by device
+};
+
+// Shared with every event out of it, so it outlives the last one even at process exit.
+const std::shared_ptr<EventPool>& eventPool() {
+  static const auto pool = std::make_shared<EventPool>();
+  return pool;
+}
+
+}  // namespace
 
 Event::Event(int device) : device_(device) {
   ContextGuard context(device_);
@@ -38,6 +56,28 @@ bool Event::reached() const {
   }
   check(result, "cuEventQuery");
   return true;
+}
+
+std::shared_ptr<Event> takeEvent(int device) {
+  std::shared_ptr<EventPool> pool = eventPool();
+  std::unique_ptr<Event> event;
+  {
+    std::lock_guard<std::mutex> lock(pool->mutex);
+    auto& idle = pool->idle[device];
+    if (!idle.empty()) {
+      event = std::move(idle.back());
+      idle.pop_back();
+    }
+  }
+  if (!event) {
+    event = std::make_unique<Event>(device);
+  }
+  // The deleter owns it from here on, even if the shared_ptr cannot be built.
+  return std::shared_ptr<Event>(event.release(), [pool](Event* returned) {
+    std::unique_ptr<Event> owned(returned);
+    std::lock_guard<std::mutex> lock(pool->mutex);
+    pool->idle[owned->device()].push_back(std::move(owned));
+  });
 }
 
 }  // namespace smfree::engine::cuda

@@ -2,6 +2,8 @@
 
 #include <cuda.h>
 
+#include <memory>
+
 namespace smfree::engine::cuda {
 
 // A CUDA event of one device, without timing: how a send's streams signal each other inside
@@ -19,10 +21,16 @@ class Event {
   void waitOn(CUstream stream) const;
   // True once the last record has run on the GPU (or if it was never recorded).
   bool reached() const;
+  int device() const { return device_; }
 
  private:
   int device_;
   CUevent event_ = nullptr;
 };
+
+// An event of `device` from the process's pool; it goes back there when its last holder
+// drops it. Creating and destroying two events per send cost more CPU time than the rest of
+// posting it. A reused event is safe: waits already queued keep the record they were given.
+std::shared_ptr<Event> takeEvent(int device);
 
 }  // namespace smfree::engine::cuda
