@@ -2,6 +2,8 @@
 
 import os
 import random
+import subprocess
+import sys
 import time
 
 import pytest
@@ -371,6 +373,37 @@ def test_memory_freed_by_its_owner_is_unmapped_by_its_peer(alloc_conf):
     assert during == before + 1
     assert after <= before, "the mapping of the freed buffer is still open"
     assert returned, "the peer's mapping still holds the freed memory"
+
+
+EXIT_WITHOUT_TEARDOWN = """
+import sys, torch, torch.distributed as dist, smfree_pg
+rank = int(sys.argv[1])
+torch.cuda.set_device(rank)
+dist.init_process_group("smfree", init_method="file://" + sys.argv[2], rank=rank, world_size=2)
+mine = torch.full((1 << 20,), float(rank), device="cuda")
+got = torch.empty_like(mine)
+for _ in range(20):
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, 1 - rank),
+                                    dist.P2POp(dist.irecv, got, 1 - rank)])
+for work in works:
+    work.wait()
+torch.cuda.synchronize()
+assert got[0].item() == 1 - rank
+# No destroy_process_group(), as Megatron-LM's pretrain ends; the works stay alive to the end.
+"""
+
+
+def test_ranks_that_exit_without_destroying_the_group_exit_cleanly(tmp_path):
+    env = {**os.environ, "SMFREE_LOG_LEVEL": "error"}
+    ranks = [subprocess.Popen([sys.executable, "-c", EXIT_WITHOUT_TEARDOWN, str(rank),
+                               str(tmp_path / "store")], env=env, stderr=subprocess.PIPE)
+             for rank in range(2)]
+    try:
+        errors = [rank.communicate(timeout=120)[1].decode()[-2000:] for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+    assert [rank.returncode for rank in ranks] == [0, 0], errors
 
 
 def _zero_kernels(rank, world):

@@ -13,6 +13,15 @@ namespace {
 struct EventPool {
   std::mutex mutex;
   std::map<int, std::vector<std::unique_ptr<Event>>> idle;  // by device
+
+  // Runs only at process exit, among static destructors, when the CUDA driver and the
+  // contexts may be torn down already (destroying events then crashed a process).
+  // The process's end frees them.
+  ~EventPool() {
+    for (auto& [device, events] : idle) {
+      for (auto& event : events) static_cast<void>(event.release());
+    }
+  }
 };
 
 // Shared with every event out of it, so it outlives the last one even at process exit.
