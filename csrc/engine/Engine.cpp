@@ -753,6 +753,7 @@ CudaFence Engine::prepareCuda(Op& op, std::chrono::milliseconds timeout) {
     }
   } catch (...) {
     flags_->release(state.queued);
+    // A value of 0 is never handed out: those words were not acquired.
     if (state.done.value != 0) flags_->release(state.done);
     if (state.ready.value != 0) flags_->release(state.ready);
     retireCuda();

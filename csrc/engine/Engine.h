@@ -68,7 +68,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   void stop();
   std::optional<std::string> failureOf(const std::string& processKey);
   uint64_t nextOpId() { return nextOpId_.fetch_add(1); }
-  // On the caller's thread: flags for a CUDA op, and its stream's `ready` write.
+  // On the caller's thread: a CUDA op's flags and events, and what its stream signals at
+  // posting (a recv's `ready` write, a send's `produced` record).
   CudaFence prepareCuda(Op& op, std::chrono::milliseconds timeout);
   // On the caller's thread, for a CUDA op over UCX: its stream's `streamReady` write.
   void prepareUcxCuda(Op& op, std::chrono::milliseconds timeout);
