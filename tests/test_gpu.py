@@ -464,20 +464,22 @@ def test_cuda_size_mismatch_fails_on_both_ranks():
         assert "receives into float32[32] (128 B) on cuda" in error
 
 
-def _peer_dies(rank, world):
+def _peer_dies(rank, world, numel, staged):
     dev = torch.device("cuda", rank)
     exchange(torch.ones(4, device=dev), torch.empty(4, device=dev), 1 - rank)  # connect first
     torch.cuda.synchronize()
     if rank == 1:
-        mine = torch.ones(1 << 24, device=dev)
+        mine = torch.ones(numel, device=dev)
         torch.cuda._sleep(1 << 40)  # minutes of GPU work before the source is ready
         work = dist.isend(mine, 0)
         work.wait()  # returns once the copy is submitted; on the GPU it still waits
         os._exit(1)  # dies mid-transfer: the copy will never run
-    got = torch.zeros(1 << 24, device=dev)
+    got = torch.zeros(numel, device=dev)
+    if staged:
+        torch.cuda._sleep(500_000_000)  # not ready when the send is cleared: it goes to a slot
     work = dist.irecv(got, 1)
-    work.wait()  # returns once the sender submitted its copy; the stream now waits for it
-    marker = torch.ones(1, device=dev)  # queued behind that wait
+    work.wait()  # returns once the copy (or the copy out of the slot) is submitted
+    marker = torch.ones(1, device=dev)  # queued behind the stream's wait for it
     started = time.monotonic()
     torch.cuda.synchronize()  # returns once the sender's death released the stream
     waited = time.monotonic() - started
@@ -486,15 +488,101 @@ def _peer_dies(rank, world):
         error = None
     except dist.DistBackendError as failure:
         error = str(failure)
-    return waited, marker.item(), error
+    staged_recvs = dist.group.WORLD._get_backend(dev)._stats()["staged_recvs"]
+    return waited, marker.item(), error, staged_recvs
 
 
 @copy_engine_only
-def test_dead_peer_leaves_no_stream_parked():
-    waited, marker, error = run_ranks(_peer_dies, 2, cuda=True, group_timeout_s=60,
-                                      expect_exit=(1,))[0]
+@pytest.mark.parametrize("numel,staged", [(1 << 24, False), (1 << 22, True)],
+                         ids=["direct-64MiB", "staged-16MiB"])
+def test_dead_peer_leaves_no_stream_parked(numel, staged):
+    waited, marker, error, staged_recvs = run_ranks(
+        _peer_dies, 2, numel, staged, cuda=True, group_timeout_s=60, expect_exit=(1,))[0]
     assert waited < 30 and marker == 1.0
     assert error and "its peer process" in error
+    assert staged_recvs == (1 if staged else 0)
+
+
+# Sizes on both sides of staging's range (8 MiB to SMFREE_STAGING_BYTES, 16 MiB by default).
+STAGING_SIZES = [16 << 20, 4 << 20, 1 << 20, 20 << 20, 8 << 20]
+
+
+def _numbered(i, numel, dev):
+    return (torch.arange(numel, dtype=torch.int64, device=dev) * 7 + i * 1_000_003).to(torch.int32)
+
+
+def _one_way_into_one_buffer(rank, world, rounds):
+    dev = torch.device("cuda", rank)
+    backend = dist.group.WORLD._get_backend(dev)
+    buffer = torch.empty(max(STAGING_SIZES) // 4, dtype=torch.int32, device=dev)
+    if rank == 0:
+        for i in range(rounds):
+            numel = STAGING_SIZES[i % len(STAGING_SIZES)] // 4
+            buffer[:numel].copy_(_numbered(i, numel, dev))  # must wait for the last copy
+            dist.isend(buffer[:numel], 1).wait()
+        torch.cuda.synchronize()
+        return backend._stats()["staged_sends"]
+    # Behind this, no recv's stream is ready when its send is cleared: each send may be staged.
+    torch.cuda._sleep(200_000_000)
+    received = []
+    for i in range(rounds):
+        numel = STAGING_SIZES[i % len(STAGING_SIZES)] // 4
+        dist.irecv(buffer[:numel], 0).wait()
+        received.append(buffer[:numel].clone())  # before the next recv may overwrite it
+    torch.cuda.synchronize()
+    wrong = [i for i, got in enumerate(received)
+             if not torch.equal(got, _numbered(i, got.numel(), dev))]
+    stats = backend._stats()
+    return wrong, stats["staged_recvs"], stats["staging_rings"]
+
+
+@copy_engine_only
+@pytest.mark.parametrize("staging", ["16777216", "0"], ids=["staging", "no-staging"])
+def test_sends_into_a_buffer_the_receiver_keeps_reusing(staging):
+    rounds = 40
+    staged_sends, (wrong, staged_recvs, rings) = run_ranks(
+        _one_way_into_one_buffer, 2, rounds, cuda=True, env={"SMFREE_STAGING_BYTES": staging})
+    assert wrong == []
+    stageable = sum(1 for i in range(rounds)
+                    if 8 << 20 <= STAGING_SIZES[i % len(STAGING_SIZES)] <= int(staging))
+    assert staged_sends == staged_recvs
+    assert (1 if staging != "0" else 0) <= staged_sends <= stageable
+    assert rings == (1 if staging != "0" else 0)
+
+
+def _receiver_dies_with_sends_waiting_for_slots(rank, world):
+    dev = torch.device("cuda", rank)
+    exchange(torch.ones(4, device=dev), torch.empty(4, device=dev), 1 - rank)  # connect first
+    torch.cuda.synchronize()
+    numel = (16 << 20) // 4
+    if rank == 1:
+        torch.cuda._sleep(1 << 40)  # its recvs' buffers are never free: no slot is emptied
+        works = [dist.irecv(torch.empty(numel, dtype=torch.int32, device=dev), 0)
+                 for _ in range(4)]
+        time.sleep(1.0)  # the sender fills both slots and holds the other two sends
+        os._exit(1)
+    works = [dist.isend(torch.full((numel,), i, dtype=torch.int32, device=dev), 1)
+             for i in range(4)]
+    errors = []
+    for work in works:
+        try:
+            work.wait()
+            errors.append(None)
+        except dist.DistBackendError as failure:
+            errors.append(str(failure))
+    started = time.monotonic()
+    torch.cuda.synchronize()
+    return errors, time.monotonic() - started, dist.group.WORLD._get_backend(dev)._stats()
+
+
+@copy_engine_only
+def test_receiver_death_fails_the_sends_held_for_a_staging_slot():
+    errors, waited, stats = run_ranks(_receiver_dies_with_sends_waiting_for_slots, 2, cuda=True,
+                                      group_timeout_s=60, expect_exit=(1,))[0]
+    assert errors[:2] == [None, None], errors  # copied into the two slots before it died
+    assert all(error and "its peer process" in error for error in errors[2:]), errors
+    assert stats["staged_sends"] == 2 and stats["live_ops"] == 0
+    assert waited < 30
 
 
 def _dropped_tensors(rank, world):

@@ -52,11 +52,14 @@ Config Config::fromEnv() {
     fail("SMFREE_IPC_CACHE_SIZE must be at least 1");
   }
   config.maxCudaOps = static_cast<size_t>(parseNonNegative("SMFREE_MAX_CUDA_OPS", 1024));
-  constexpr size_t kMostCudaOps = cuda::FlagSegment::kWords / kFlagsPerCudaOp;
+  constexpr size_t kMostCudaOps =
+      (cuda::FlagSegment::kWords - kStagingFlagWords) / kFlagsPerCudaOp;
   if (config.maxCudaOps == 0 || config.maxCudaOps > kMostCudaOps) {
     fail("SMFREE_MAX_CUDA_OPS must be between 1 and ", kMostCudaOps);
   }
   config.transport = parseTransport(std::getenv("SMFREE_TRANSPORT"));
+  config.stagingBytes =
+      static_cast<uint64_t>(parseNonNegative("SMFREE_STAGING_BYTES", 16 << 20));
   return config;
 }
 

@@ -2,6 +2,7 @@
 
 #include <chrono>
 #include <cstddef>
+#include <cstdint>
 
 namespace smfree::engine {
 
@@ -27,6 +28,9 @@ struct Config {
   // Most CUDA ops a process keeps in flight before a new one waits (SMFREE_MAX_CUDA_OPS).
   size_t maxCudaOps;
   Transport transport;
+  // Largest send that may be staged in the receiver's memory (SMFREE_STAGING_BYTES): the
+  // size of each slot of a staging ring; 0 turns staging off.
+  uint64_t stagingBytes;
 
   static Config fromEnv();
 };

@@ -42,8 +42,11 @@ constexpr uint32_t kCopied = 1;
 constexpr uint32_t kSenderGaveUp = 2;
 constexpr uint32_t kDoneSpan = 3;
 
-// Flag words per op: the flag segment holds FlagSegment::kWords / kFlagsPerCudaOp recvs.
+// Flag words per op, and words kept back for staging rings (two per ring, one ring per
+// sending process and device): the flag segment holds
+// (FlagSegment::kWords - kStagingFlagWords) / kFlagsPerCudaOp ops.
 constexpr size_t kFlagsPerCudaOp = 3;
+constexpr size_t kStagingFlagWords = 256;
 
 // What a caller needs to make its stream wait for a CUDA op: a recv's `done` flag, or a
 // send's `copied` event.

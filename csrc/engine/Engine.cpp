@@ -94,8 +94,10 @@ Engine::Engine(Private)
         onTransferDone(op, status);
       });
   copyEngine_ = std::make_unique<CopyEngineChannel>(
-      *flags_, config_.ipcCacheSize, [this](const std::shared_ptr<Op>& op, const Status& status) {
-        onTransferDone(op, status);
+      *flags_, config_.ipcCacheSize, config_.stagingBytes,
+      [this](const std::shared_ptr<Op>& op, const Status& status) { onTransferDone(op, status); },
+      [this](Peer& peer, std::string data) {
+        sendControl(peer, ChannelNotice{local_.processKey, std::move(data)});
       });
   progress_ = std::thread([this] { run(); });
   log(LogLevel::kInfo, "engine started on host ", local_.hostname);
@@ -239,6 +241,14 @@ void Engine::onMemoryReleased(const MemoryReleased& message) {
   copyEngine_->memoryReleased(message.owner, message.ids);
 }
 
+void Engine::onChannelNotice(const ChannelNotice& message) {
+  auto it = peers_.find(message.sender);
+  // A failed peer's notices are void: its channel state is gone.
+  if (it != peers_.end() && !it->second->failed) {
+    copyEngine_->onNotice(*it->second, message.data);
+  }
+}
+
 void Engine::checkPeers() {
   for (auto& [key, peer] : peers_) {
     if (peer->watch && !peer->failed && !peer->watch->alive()) {
@@ -378,7 +388,10 @@ std::map<std::string, int64_t> Engine::stats() {
   return {{"live_ops", static_cast<int64_t>(live_.size())},
           {"ipc_mappings", static_cast<int64_t>(copyEngine_->ipcMappings())},
           {"ipc_exports", static_cast<int64_t>(copyEngine_->ipcExports())},
-          {"flag_words_in_use", static_cast<int64_t>(flags_->inUse())}};
+          {"flag_words_in_use", static_cast<int64_t>(flags_->inUse())},
+          {"staging_rings", static_cast<int64_t>(copyEngine_->stagingRings())},
+          {"staged_sends", static_cast<int64_t>(copyEngine_->stagedSends())},
+          {"staged_recvs", static_cast<int64_t>(copyEngine_->stagedRecvs())}};
 }
 
 void Engine::startOp(const std::shared_ptr<Op>& op) {
@@ -422,6 +435,7 @@ void Engine::onControlMessage(const void* data, size_t length) {
         if constexpr (std::is_same_v<T, Refusal>) onRefusal(message);
         if constexpr (std::is_same_v<T, Cancellation>) onCancellation(message);
         if constexpr (std::is_same_v<T, MemoryReleased>) onMemoryReleased(message);
+        if constexpr (std::is_same_v<T, ChannelNotice>) onChannelNotice(message);
       },
       decode(data, length));
 }

@@ -99,6 +99,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   void onRefusal(const Refusal& message);
   void onCancellation(const Cancellation& message);
   void onMemoryReleased(const MemoryReleased& message);
+  void onChannelNotice(const ChannelNotice& message);
   void announceReleasedMemory();
   void onMatched(GroupState& group, Matcher::Match& match);
   void onTransferDone(const std::shared_ptr<Op>& op, const Status& status);

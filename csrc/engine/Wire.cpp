@@ -13,7 +13,8 @@ enum class MessageType : uint8_t {
   kClearToSend,
   kRefusal,
   kCancellation,
-  kMemoryReleased
+  kMemoryReleased,
+  kChannelNotice
 };
 
 class Writer {
@@ -131,6 +132,12 @@ void write(Writer& w, const MemoryReleased& m) {
   for (uint64_t id : m.ids) w.put(id);
 }
 
+void write(Writer& w, const ChannelNotice& m) {
+  w.put(MessageType::kChannelNotice);
+  w.put(m.sender);
+  w.put(m.data);
+}
+
 }  // namespace
 
 std::vector<uint8_t> encode(const ControlMessage& message) {
@@ -189,6 +196,12 @@ ControlMessage decode(const void* data, size_t length) {
       m.owner = r.getString();
       const auto count = r.get<uint32_t>();
       for (uint32_t i = 0; i < count; ++i) m.ids.push_back(r.get<uint64_t>());
+      return m;
+    }
+    case MessageType::kChannelNotice: {
+      ChannelNotice m;
+      m.sender = r.getString();
+      m.data = r.getString();
       return m;
     }
   }

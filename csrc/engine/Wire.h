@@ -59,8 +59,15 @@ struct MemoryReleased {
   std::vector<uint64_t> ids;
 };
 
-using ControlMessage =
-    std::variant<ReadyToSend, ClearToSend, Refusal, Cancellation, MemoryReleased>;
+// What a sender's data channel tells the receiver's about a transfer already cleared (the
+// copy engines: which staging slot a send was copied into). Opaque to the engine.
+struct ChannelNotice {
+  std::string sender;  // the sender's process key
+  std::string data;
+};
+
+using ControlMessage = std::variant<ReadyToSend, ClearToSend, Refusal, Cancellation,
+                                    MemoryReleased, ChannelNotice>;
 
 std::vector<uint8_t> encode(const ControlMessage& message);
 // Throws Error on a truncated or unknown message.

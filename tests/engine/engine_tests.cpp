@@ -166,6 +166,10 @@ void wireRoundTrips() {
   auto releasedBack = std::get<MemoryReleased>(decode(bytes.data(), bytes.size()));
   CHECK(releasedBack.owner == "owner-key");
   CHECK((releasedBack.ids == std::vector<uint64_t>{3, 1ull << 40}));
+
+  bytes = encode(ChannelNotice{"sender-key", std::string("\0\7", 2)});
+  auto noticeBack = std::get<ChannelNotice>(decode(bytes.data(), bytes.size()));
+  CHECK(noticeBack.sender == "sender-key" && noticeBack.data == std::string("\0\7", 2));
 }
 
 void wireRejectsTruncatedMessages() {

@@ -29,6 +29,8 @@ namespace smfree::engine::cuda {
   X(cuEventRecord)\
   X(cuEventQuery)\
   X(cuMemcpyAsync)\
+  X(cuMemAlloc)\
+  X(cuMemFree)\
   X(cuMemHostRegister)\
   X(cuMemHostUnregister)\
   X(cuMemGetAddressRange)\

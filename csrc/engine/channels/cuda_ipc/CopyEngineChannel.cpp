@@ -1,5 +1,6 @@
 #include "engine/channels/cuda_ipc/CopyEngineChannel.h"
 
+#include <algorithm>
 #include <cstring>
 #include <type_traits>
 
@@ -19,99 +20,329 @@ std::string toBytes(const T& value) {
 
 CUdeviceptr address(void* pointer) { return reinterpret_cast<CUdeviceptr>(pointer); }
 
+// A sender's ChannelNotice: which slot of the receiver's ring a send was copied into.
+struct StagedNotice {
+  uint64_t recvId;
+  int32_t ringDevice;
+  uint32_t slot;
+  uint32_t use;
+  uint32_t unused;
+};
+
+void waitWord(CUstream stream, void* word, uint32_t value, unsigned flags, const char* what) {
+  cuda::check(cuda::driver().cuStreamWaitValue32(stream, address(word), value,
+                                                 CU_STREAM_WAIT_VALUE_GEQ | flags),
+              what);
+}
+
+void writeWord(CUstream stream, void* word, uint32_t value, const char* what) {
+  cuda::check(cuda::driver().cuStreamWriteValue32(stream, address(word), value,
+                                                  CU_STREAM_WRITE_VALUE_DEFAULT),
+              what);
+}
+
+// What a wait for bytes that a peer's copy engine wrote into this device needs so that the
+// work after it sees them.
+unsigned flushOf(int device) {
+  return cuda::canFlushRemoteWrites(device) ? CU_STREAM_WAIT_VALUE_FLUSH : 0;
+}
+
 }  // namespace
 
-CopyEngineChannel::CopyEngineChannel(cuda::FlagSegment& flags, size_t ipcCacheSize, Done onDone)
-    : flags_(flags), ipc_(ipcCacheSize), onDone_(std::move(onDone)) {}
+CopyEngineChannel::CopyEngineChannel(cuda::FlagSegment& flags, size_t ipcCacheSize,
+                                     uint64_t stagingBytes, Done onDone, Notify notify)
+    : flags_(flags),
+      ipc_(ipcCacheSize),
+      stagingBytes_(stagingBytes),
+      onDone_(std::move(onDone)),
+      notify_(std::move(notify)) {}
 
 CopyEngineChannel::~CopyEngineChannel() {
   for (auto& [devices, stream] : streams_) {
     cuda::ContextGuard context(devices.first);
     cuda::driver().cuStreamDestroy(stream);
   }
+  for (auto& [device, stream] : copyOutStreams_) {
+    cuda::ContextGuard context(device);
+    cuda::driver().cuStreamDestroy(stream);
+  }
+}
+
+bool CopyEngineChannel::stageable(uint64_t bytes) const {
+  return bytes >= kStagingMinBytes && bytes <= stagingBytes_;
+}
+
+std::shared_ptr<StagingRing> CopyEngineChannel::ringFor(const Peer& source, int device) {
+  auto [it, created] = rings_.try_emplace(RingKey{source.address.processKey, device});
+  if (created) {
+    try {
+      it->second = std::make_shared<StagingRing>(flags_, device, stagingBytes_);
+    } catch (const Error& error) {
+      log(LogLevel::kInfo, "no staging ring on cuda:", device, " for sends from ",
+          source.describe(), " (", error.what(), "): they wait for this process's streams");
+    }
+  }
+  return it->second;
 }
 
 std::string CopyEngineChannel::armRecv(const std::shared_ptr<Op>& recv, Peer& source) {
   const CudaOpState& state = *recv->cuda;
   const Buffer& buffer = recv->request.buffer;
-  const cuda::IpcExport exported = exporter_.exportBuffer(buffer.data, buffer.bytes,
-                                                          buffer.device, source.address.processKey);
-  std::string clearance = toBytes(ClearanceFlags{state.ready, state.queued, state.done});
-  exported.appendTo(clearance);
+  std::string destination;
+  exporter_.exportBuffer(buffer.data, buffer.bytes, buffer.device, source.address.processKey)
+      .appendTo(destination);
+  std::string ring;
+  if (stageable(buffer.bytes)) {
+    if (const auto staging = ringFor(source, buffer.device)) staging->appendTo(ring);
+  }
+  const ClearanceHeader header{state.ready, state.queued, state.done, recv->id,
+                               static_cast<uint32_t>(destination.size()),
+                               static_cast<uint32_t>(ring.size())};
   ++recv->outstanding;
-  moving_.push_back(Transfer{recv, &source, std::nullopt});
-  return clearance;
+  moving_.push_back(Transfer{recv, &source, std::nullopt, nullptr, nullptr, std::nullopt});
+  return toBytes(header) + destination + ring;
 }
 
-CopyEngineChannel::Clearance CopyEngineChannel::readClearance(const Op& send,
+CopyEngineChannel::Clearance CopyEngineChannel::readClearance(const Op& send, Peer& destination,
                                                               const std::string& channelData) {
   Clearance clearance;
-  if (channelData.size() < sizeof(ClearanceFlags)) {
+  if (channelData.size() < sizeof(ClearanceHeader)) {
     fail("malformed clear-to-send for ", send.describe(), " (", channelData.size(), " B)");
   }
-  std::memcpy(&clearance.flags, channelData.data(), sizeof(ClearanceFlags));
-  clearance.destination = cuda::IpcExport::read(channelData.data() + sizeof(ClearanceFlags),
-                                                channelData.size() - sizeof(ClearanceFlags));
+  std::memcpy(&clearance.header, channelData.data(), sizeof(ClearanceHeader));
+  const ClearanceHeader& header = clearance.header;
+  const size_t expected =
+      sizeof(ClearanceHeader) + size_t{header.destinationBytes} + size_t{header.ringBytes};
+  if (channelData.size() != expected) {
+    fail("malformed clear-to-send for ", send.describe(), " (", channelData.size(),
+         " B, its header says ", expected, " B)");
+  }
+  const char* at = channelData.data() + sizeof(ClearanceHeader);
+  clearance.destination = cuda::IpcExport::read(at, header.destinationBytes);
+  if (header.ringBytes != 0) {
+    auto ring = RemoteStagingRing::read(at + header.destinationBytes, header.ringBytes);
+    auto& known = remoteRings_[RingKey{destination.address.processKey, ring->device()}];
+    if (!known || known->bufferId() != ring->bufferId()) known = std::move(ring);
+  }
   return clearance;
 }
 
 void CopyEngineChannel::startSend(const std::shared_ptr<Op>& send, Peer& destination,
                                   const std::string& channelData) {
-  const Clearance clearance = readClearance(*send, channelData);
-  const ClearanceFlags& theirs = clearance.flags;
+  Transfer transfer{send, &destination, readClearance(*send, destination, channelData), nullptr,
+                    nullptr, std::nullopt};
   if (!destination.flags) {
     destination.flags = std::make_unique<cuda::RemoteFlagSegment>(destination.address.flagSegment);
   }
-  cuda::RemoteFlagSegment& peerFlags = *destination.flags;
-  const int device = send->request.buffer.device;
+  const uint64_t bytes = send->request.buffer.bytes;
+  if (stageable(bytes)) {
+    auto ring = remoteRings_.find(
+        RingKey{destination.address.processKey, transfer.clearance->destination.device});
+    if (ring != remoteRings_.end() && ring->second->slotBytes() >= bytes) {
+      transfer.remote = ring->second;
+    }
+  }
+  if (transfer.remote && !destination.flags->isSet(transfer.clearance->header.ready)) {
+    ++send->outstanding;
+    held_.push_back(std::move(transfer));
+    advanceHeld();
+    return;
+  }
+  submitDirect(std::move(transfer));
+}
+
+void CopyEngineChannel::giveUp(Transfer& send) {
+  const ClearanceHeader& theirs = send.clearance->header;
+  send.peer->flags->set(theirs.queued);
+  send.peer->flags->set(theirs.done.plus(kSenderGaveUp));
+}
+
+void CopyEngineChannel::submitDirect(Transfer send) {
+  Op& op = *send.op;
+  const int device = op.request.buffer.device;
   try {
     cuda::ContextGuard context(device);
-    enqueueCopy(*send, destination, clearance, dmaStream(device, clearance.destination.device));
+    enqueueCopy(op, *send.peer, *send.clearance,
+                dmaStream(device, send.clearance->destination.device));
   } catch (const Error&) {
-    peerFlags.set(theirs.queued);
-    peerFlags.set(theirs.done.plus(kSenderGaveUp));
+    giveUp(send);
     throw;
   }
-  peerFlags.set(theirs.queued);
-  flags_.set(send->cuda->queued);
-  ++send->outstanding;
-  moving_.push_back(Transfer{send, &destination, clearance});
+  send.peer->flags->set(send.clearance->header.queued);
+  flags_.set(op.cuda->queued);
+  ++op.outstanding;
+  send.remote.reset();
+  moving_.push_back(std::move(send));
+}
+
+void CopyEngineChannel::submitStaged(Transfer send, const StagedSlot& slot) {
+  Op& op = *send.op;
+  const int device = op.request.buffer.device;
+  try {
+    cuda::ContextGuard context(device);
+    enqueueStagedCopy(send, slot, dmaStream(device, send.remote->device()));
+  } catch (const Error&) {
+    giveUp(send);
+    throw;
+  }
+  send.remote->take(slot);
+  send.slot = slot;
+  // The receiver's `queued` is its own to set, once it has submitted the copy out.
+  notify_(*send.peer, toBytes(StagedNotice{send.clearance->header.recvId, send.remote->device(),
+                                           slot.slot, slot.use, 0}));
+  flags_.set(op.cuda->queued);
+  ++op.outstanding;
+  ++stagedSends_;
+  moving_.push_back(std::move(send));
 }
 
 void CopyEngineChannel::enqueueCopy(const Op& send, Peer& peer, const Clearance& clearance,
                                     CUstream stream) {
-  const cuda::Driver& d = cuda::driver();
   cuda::RemoteFlagSegment& peerFlags = *peer.flags;
   // `produced` and the receiver's `ready` were submitted when the ops were posted, before
   // this clearance.
   send.cuda->produced->waitOn(stream);
-  const cuda::Flag& ready = clearance.flags.ready;
-  cuda::check(d.cuStreamWaitValue32(stream, address(peerFlags.cudaAddress(ready.index)),
-                                    ready.value, CU_STREAM_WAIT_VALUE_GEQ),
-              "cuStreamWaitValue32 (ready)");
+  const cuda::Flag& ready = clearance.header.ready;
+  waitWord(stream, peerFlags.cudaAddress(ready.index), ready.value, 0, "cuStreamWaitValue32 (ready)");
   const int device = send.request.buffer.device;
   const int ownerPidfd = peer.watch ? peer.watch->fd() : -1;
   void* destination =
       ipc_.acquire(peer.address.processKey, ownerPidfd, clearance.destination, device);
   try {
-    cuda::check(d.cuMemcpyAsync(address(destination), address(send.request.buffer.data),
-                                send.request.buffer.bytes, stream),
+    cuda::check(cuda::driver().cuMemcpyAsync(address(destination),
+                                             address(send.request.buffer.data),
+                                             send.request.buffer.bytes, stream),
                 "cuMemcpyAsync");
     send.cuda->copied->record(stream);
     // Last, so that a failure to enqueue it leaves no write of the GPU's behind the
     // kSenderGaveUp that the caller then writes.
-    const cuda::Flag copied = clearance.flags.done.plus(kCopied);
-    cuda::check(d.cuStreamWriteValue32(stream, address(peerFlags.cudaAddress(copied.index)),
-                                       copied.value, CU_STREAM_WRITE_VALUE_DEFAULT),
-                "cuStreamWriteValue32 (done)");
+    const cuda::Flag copied = clearance.header.done.plus(kCopied);
+    writeWord(stream, peerFlags.cudaAddress(copied.index), copied.value,
+              "cuStreamWriteValue32 (done)");
   } catch (const Error&) {
     ipc_.done(peer.address.processKey, clearance.destination, device);
     throw;
   }
 }
 
+void CopyEngineChannel::enqueueStagedCopy(Transfer& send, const StagedSlot& slot,
+                                          CUstream stream) {
+  const Op& op = *send.op;
+  // `produced` was submitted when the send was posted; the slot is empty (nextFree()).
+  op.cuda->produced->waitOn(stream);
+  const CUdeviceptr to = send.remote->slotAddress(slot, op.request.buffer.device);
+  cuda::check(cuda::driver().cuMemcpyAsync(to, address(op.request.buffer.data),
+                                           op.request.buffer.bytes, stream),
+              "cuMemcpyAsync (to a staging slot)");
+  op.cuda->copied->record(stream);
+  const cuda::Flag full = send.remote->full(slot);
+  writeWord(stream, send.peer->flags->cudaAddress(full.index), full.value,
+            "cuStreamWriteValue32 (staging slot full)");
+}
+
+void CopyEngineChannel::onNotice(Peer& source, const std::string& data) {
+  StagedNotice notice{};
+  if (data.size() != sizeof(notice)) {
+    log(LogLevel::kError, "ignored a malformed staging notice (", data.size(), " B) from ",
+        source.describe());
+    return;
+  }
+  std::memcpy(&notice, data.data(), sizeof(notice));
+  const auto ringIt = rings_.find(RingKey{source.address.processKey, notice.ringDevice});
+  if (ringIt == rings_.end() || !ringIt->second || notice.slot >= kStagingSlots) {
+    log(LogLevel::kError, "ignored a staging notice from ", source.describe(),
+        " for a slot this process does not have (cuda:", notice.ringDevice, " slot ",
+        notice.slot, ")");
+    return;
+  }
+  StagingRing& ring = *ringIt->second;
+  const StagedSlot slot{notice.slot, notice.use};
+  auto recv = std::find_if(moving_.begin(), moving_.end(), [&](const Transfer& transfer) {
+    return transfer.op->id == notice.recvId && !transfer.op->isSend() && !transfer.slot;
+  });
+  try {
+    cuda::ContextGuard context(ring.device());
+    const CUstream stream = copyOutStream(ring.device());
+    if (recv == moving_.end()) {
+      enqueueEmptying(ring, slot, stream);  // the recv is gone; the slot must still come back
+      return;
+    }
+    enqueueCopyOut(*recv->op, ring, slot, stream);
+  } catch (const Error& error) {
+    if (recv != moving_.end()) {
+      abandon(recv, Status::failure(StatusCode::kTransport, error.what()));
+    } else {
+      log(LogLevel::kError, "a staging slot from ", source.describe(), " is lost: ", error.what());
+    }
+    return;
+  }
+  recv->ring = ringIt->second;
+  recv->slot = slot;
+  ++stagedRecvs_;
+  flags_.set(recv->op->cuda->queued);
+}
+
+void CopyEngineChannel::enqueueCopyOut(const Op& recv, StagingRing& ring, const StagedSlot& slot,
+                                       CUstream stream) {
+  const CudaOpState& state = *recv.cuda;
+  const int device = ring.device();
+  // Both submitted before the notice: `ready` when the recv was posted, `full` by the sender.
+  waitWord(stream, flags_.cudaAddress(state.ready.index), state.ready.value, 0,
+           "cuStreamWaitValue32 (ready)");
+  const cuda::Flag full = ring.full(slot);
+  waitWord(stream, flags_.cudaAddress(full.index), full.value, flushOf(device),
+           "cuStreamWaitValue32 (staging slot full)");
+  cuda::check(cuda::driver().cuMemcpyAsync(address(recv.request.buffer.data),
+                                           ring.slotAddress(slot.slot), recv.request.buffer.bytes,
+                                           stream),
+              "cuMemcpyAsync (out of a staging slot)");
+  const cuda::Flag copied = state.done.plus(kCopied);
+  writeWord(stream, flags_.cudaAddress(copied.index), copied.value, "cuStreamWriteValue32 (done)");
+  const cuda::Flag emptied = ring.emptied(slot);
+  writeWord(stream, flags_.cudaAddress(emptied.index), emptied.value,
+            "cuStreamWriteValue32 (staging slot emptied)");
+}
+
+void CopyEngineChannel::enqueueEmptying(StagingRing& ring, const StagedSlot& slot,
+                                        CUstream stream) {
+  const cuda::Flag full = ring.full(slot);
+  waitWord(stream, flags_.cudaAddress(full.index), full.value, 0,
+           "cuStreamWaitValue32 (staging slot full)");
+  const cuda::Flag emptied = ring.emptied(slot);
+  writeWord(stream, flags_.cudaAddress(emptied.index), emptied.value,
+            "cuStreamWriteValue32 (staging slot emptied)");
+}
+
+bool CopyEngineChannel::advanceHeld() {
+  bool advanced = false;
+  for (auto it = held_.begin(); it != held_.end();) {
+    const bool ready = it->peer->flags->isSet(it->clearance->header.ready);
+    std::optional<StagedSlot> slot;
+    if (!ready) slot = it->remote->nextFree(*it->peer->flags);
+    if (!ready && !slot) {
+      ++it;
+      continue;
+    }
+    Transfer send = std::move(*it);
+    it = held_.erase(it);
+    --send.op->outstanding;
+    const std::shared_ptr<Op> op = send.op;
+    try {
+      if (slot) {
+        submitStaged(std::move(send), *slot);
+      } else {
+        submitDirect(std::move(send));
+      }
+    } catch (const Error& error) {
+      onDone_(op, Status::failure(StatusCode::kTransport, error.what()));
+    }
+    advanced = true;
+  }
+  return advanced;
+}
+
 bool CopyEngineChannel::progress() {
-  bool moved = false;
+  bool moved = advanceHeld();
   for (auto it = moving_.begin(); it != moving_.end();) {
     if (finishMove(*it)) {
       it = moving_.erase(it);
@@ -130,8 +361,10 @@ bool CopyEngineChannel::finishMove(Transfer& transfer) {
       return false;
     }
     --op.outstanding;
-    ipc_.done(transfer.peer->address.processKey, transfer.clearance->destination,
-              op.request.buffer.device);
+    if (!transfer.slot) {
+      ipc_.done(transfer.peer->address.processKey, transfer.clearance->destination,
+                op.request.buffer.device);
+    }
     onDone_(transfer.op, Status::success());
     return true;
   }
@@ -155,9 +388,20 @@ void CopyEngineChannel::cancel(Op& op) {
   if (!op.isSend()) {
     return;  // the sender may still copy: the buffer stays until its `done` word says how it ended
   }
+  for (auto it = held_.begin(); it != held_.end(); ++it) {
+    if (it->op.get() == &op) {
+      Transfer send = std::move(*it);
+      held_.erase(it);
+      giveUp(send);
+      --op.outstanding;
+      onDone_(send.op, Status::failure(StatusCode::kAborted,
+                                       concat(op.describe(), " failed before its copy")));
+      return;
+    }
+  }
   for (Transfer& send : moving_) {
     if (send.op.get() == &op) {
-      releaseReadiness(send);
+      if (!send.slot) releaseReadiness(send);  // a staged copy waits for nothing of the receiver's
       return;
     }
   }
@@ -166,8 +410,11 @@ void CopyEngineChannel::cancel(Op& op) {
 void CopyEngineChannel::partnerGaveUp(Op& op) {
   for (auto it = moving_.begin(); it != moving_.end(); ++it) {
     if (it->op.get() == &op) {
-      abandon(it, Status::failure(StatusCode::kAborted,
-                                  concat(op.describe(), " failed: the sender gave up")));
+      // A submitted copy out of a slot still writes the buffer: it ends as it finishes.
+      if (!it->slot) {
+        abandon(it, Status::failure(StatusCode::kAborted,
+                                    concat(op.describe(), " failed: the sender gave up")));
+      }
       return;
     }
   }
@@ -176,7 +423,7 @@ void CopyEngineChannel::partnerGaveUp(Op& op) {
 void CopyEngineChannel::releaseReadiness(Transfer& send) {
   // A submitted copy cannot be taken back; letting it run keeps no stream parked on a
   // `ready` that may never come (a wedged or dead peer).
-  send.peer->flags->set(send.clearance->flags.ready);
+  send.peer->flags->set(send.clearance->header.ready);
 }
 
 std::list<CopyEngineChannel::Transfer>::iterator CopyEngineChannel::abandon(
@@ -190,17 +437,41 @@ std::list<CopyEngineChannel::Transfer>::iterator CopyEngineChannel::abandon(
 
 void CopyEngineChannel::peerFailed(Peer& peer) {
   const Status gone = Status::failure(StatusCode::kPeerFailure, peer.failure);
+  for (auto it = held_.begin(); it != held_.end();) {
+    if (it->peer != &peer) {
+      ++it;
+      continue;
+    }
+    const std::shared_ptr<Op> op = it->op;
+    --op->outstanding;
+    it = held_.erase(it);
+    onDone_(op, gone);
+  }
   for (auto it = moving_.begin(); it != moving_.end();) {
     if (it->peer != &peer) {
       ++it;
     } else if (it->op->isSend()) {
-      releaseReadiness(*it);  // our copy into its (still mapped) memory finishes by itself
+      if (!it->slot) releaseReadiness(*it);  // our copy into its (still mapped) memory finishes
       ++it;
+    } else if (it->slot) {
+      ++it;  // its copy out of the slot runs once the ring's waits are released below
     } else {
       it = abandon(it, gone);  // a dead sender's copy will never come
     }
   }
-  ipc_.dropPeer(peer.address.processKey);
+  const std::string& key = peer.address.processKey;
+  for (auto it = rings_.begin(); it != rings_.end();) {
+    if (it->first.first != key) {
+      ++it;
+      continue;
+    }
+    if (it->second) it->second->releaseWaits();
+    it = rings_.erase(it);  // recvs still copying out hold it
+  }
+  for (auto it = remoteRings_.begin(); it != remoteRings_.end();) {
+    it = it->first.first == key ? remoteRings_.erase(it) : std::next(it);
+  }
+  ipc_.dropPeer(key);
 }
 
 std::string CopyEngineChannel::describeWait(const Op& op) const {
@@ -210,16 +481,33 @@ std::string CopyEngineChannel::describeWait(const Op& op) const {
   const CudaOpState& state = *op.cuda;
   std::string text = flag("queued", flags_.wordOf(state.queued), state.queued);
   if (!op.isSend()) {
-    return concat(text, ", ", flag("ready", flags_.wordOf(state.ready), state.ready), ", ",
-                  flag("done", flags_.wordOf(state.done), state.done.plus(kCopied)));
+    text += concat(", ", flag("ready", flags_.wordOf(state.ready), state.ready), ", ",
+                   flag("done", flags_.wordOf(state.done), state.done.plus(kCopied)));
+    for (const Transfer& recv : moving_) {
+      if (recv.op.get() == &op && recv.slot) {
+        const cuda::Flag full = recv.ring->full(*recv.slot);
+        text += concat(", staging slot ", recv.slot->slot, " ",
+                       flag("full", flags_.wordOf(full), full));
+      }
+    }
+    return text;
   }
   auto event = [](const char* name, const std::shared_ptr<cuda::Event>& e) {
     return concat(name, " ", e && e->reached() ? "reached" : "pending");
   };
   text += concat(", ", event("produced", state.produced), ", ", event("copied", state.copied));
+  for (const Transfer& send : held_) {
+    if (send.op.get() == &op) {
+      const cuda::Flag& theirs = send.clearance->header.ready;
+      text += concat(", held for a staging slot or peer ",
+                     flag("ready", send.peer->flags->wordOf(theirs), theirs));
+    }
+  }
   for (const Transfer& send : moving_) {
-    if (send.op.get() == &op && send.clearance) {
-      const cuda::Flag& theirs = send.clearance->flags.ready;
+    if (send.op.get() == &op && send.slot) {
+      text += concat(", staged in slot ", send.slot->slot, " use ", send.slot->use);
+    } else if (send.op.get() == &op) {
+      const cuda::Flag& theirs = send.clearance->header.ready;
       text += concat(", peer ", flag("ready", send.peer->flags->wordOf(theirs), theirs));
     }
   }
@@ -231,6 +519,15 @@ CUstream CopyEngineChannel::dmaStream(int localDevice, int peerDevice) {
   if (!stream) {
     cuda::check(cuda::driver().cuStreamCreate(&stream, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
     log(LogLevel::kInfo, "DMA stream for cuda:", localDevice, " -> peer cuda:", peerDevice);
+  }
+  return stream;
+}
+
+CUstream CopyEngineChannel::copyOutStream(int device) {
+  auto& stream = copyOutStreams_[device];
+  if (!stream) {
+    cuda::check(cuda::driver().cuStreamCreate(&stream, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+    log(LogLevel::kInfo, "staging copy-out stream for cuda:", device);
   }
   return stream;
 }

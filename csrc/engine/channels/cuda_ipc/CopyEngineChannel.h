@@ -2,6 +2,7 @@
 
 #include <cuda.h>
 
+#include <functional>
 #include <list>
 #include <map>
 #include <optional>
@@ -10,6 +11,7 @@
 #include <vector>
 
 #include "engine/Channel.h"
+#include "engine/channels/cuda_ipc/StagingRing.h"
 #include "engine/cuda/FlagSegment.h"
 #include "engine/cuda/IpcCache.h"
 #include "engine/cuda/IpcExport.h"
@@ -26,9 +28,20 @@ namespace smfree::engine {
 // and only then may a user stream wait for the copy (see CudaOp.h): every stream wait is
 // for work already submitted, so no posting order and no sharing of hardware queues between
 // streams can deadlock.
+//
+// Staging (StagingRing.h): a send of kStagingMinBytes to SMFREE_STAGING_BYTES whose
+// receiver's `ready` is not yet set when it is cleared goes to a slot of the receiver's ring
+// instead, as soon as one is free, or directly once `ready` is set, whichever comes first.
+// The sender then tells the receiver the slot (a ChannelNotice); the receiver's copy engine
+// waits for its `ready` and the slot's `full`, copies the slot out into the buffer, writes
+// `done` and empties the slot. The same rule holds: both waits are for submitted work.
 class CopyEngineChannel final : public Channel {
  public:
-  CopyEngineChannel(cuda::FlagSegment& flags, size_t ipcCacheSize, Done onDone);
+  // Sends a ChannelNotice's data to a peer.
+  using Notify = std::function<void(Peer&, std::string)>;
+
+  CopyEngineChannel(cuda::FlagSegment& flags, size_t ipcCacheSize, uint64_t stagingBytes,
+                    Done onDone, Notify notify);
   ~CopyEngineChannel() override;
 
   std::string armRecv(const std::shared_ptr<Op>& recv, Peer& source) override;
@@ -37,11 +50,16 @@ class CopyEngineChannel final : public Channel {
   void cancel(Op& op) override;
   void partnerGaveUp(Op& op) override;
   bool progress() override;
-  bool busy() const override { return !moving_.empty(); }
+  bool busy() const override { return !moving_.empty() || !held_.empty(); }
   void peerFailed(Peer& peer) override;
+  // Receiver: a sender's notice that it copied a send into a staging slot.
+  void onNotice(Peer& source, const std::string& data);
 
   size_t ipcMappings() const { return ipc_.size(); }
   size_t ipcExports() const { return exporter_.size(); }
+  size_t stagingRings() const { return rings_.size(); }
+  uint64_t stagedSends() const { return stagedSends_; }
+  uint64_t stagedRecvs() const { return stagedRecvs_; }
   // Per peer, the ids of memory exported to it that its owner (this process) has since freed
   // or unmapped; the peer is to close its mappings (memoryReleased()).
   std::map<std::string, std::vector<uint64_t>> sweepExports() { return exporter_.sweep(); }
@@ -52,25 +70,44 @@ class CopyEngineChannel final : public Channel {
   std::string describeWait(const Op& op) const;
 
  private:
-  // What the receiver's clear-to-send carries: its flags, then where to write.
-  struct ClearanceFlags {
+  // The fixed part of the receiver's clear-to-send: its flags and op, then the sizes of the
+  // buffer's export and of its staging ring (0 when none), which follow.
+  struct ClearanceHeader {
     cuda::Flag ready;
     cuda::Flag queued;
     cuda::Flag done;
+    uint64_t recvId;
+    uint32_t destinationBytes;
+    uint32_t ringBytes;
   };
   struct Clearance {
-    ClearanceFlags flags;
+    ClearanceHeader header;
     cuda::IpcExport destination;
   };
   struct Transfer {
     std::shared_ptr<Op> op;
     Peer* peer;
-    std::optional<Clearance> clearance;  // sends only
+    std::optional<Clearance> clearance;        // sends
+    std::shared_ptr<RemoteStagingRing> remote; // sends that may be or were staged
+    std::shared_ptr<StagingRing> ring;         // recvs whose copy-out is submitted
+    std::optional<StagedSlot> slot;            // staged sends, and those recvs
   };
+  using RingKey = std::pair<std::string, int>;  // (peer's process key, ring's device)
 
-  static Clearance readClearance(const Op& send, const std::string& channelData);
+  Clearance readClearance(const Op& send, Peer& destination, const std::string& channelData);
+  bool stageable(uint64_t bytes) const;
+  std::shared_ptr<StagingRing> ringFor(const Peer& source, int device);
 
+  void submitDirect(Transfer send);
+  void submitStaged(Transfer send, const StagedSlot& slot);
   void enqueueCopy(const Op& send, Peer& peer, const Clearance& clearance, CUstream stream);
+  void enqueueStagedCopy(Transfer& send, const StagedSlot& slot, CUstream stream);
+  void enqueueCopyOut(const Op& recv, StagingRing& ring, const StagedSlot& slot, CUstream stream);
+  void enqueueEmptying(StagingRing& ring, const StagedSlot& slot, CUstream stream);
+  // Tells the receiver's streams that this send will never write its buffer.
+  static void giveUp(Transfer& send);
+  // Held sends: staged once a slot is free, direct once the receiver is ready.
+  bool advanceHeld();
   // Lets a submitted copy run whatever the receiver's stream does: used when an op fails.
   // (The sender's own stream always reaches `produced`: its waits are released on failure.)
   void releaseReadiness(Transfer& send);
@@ -79,13 +116,22 @@ class CopyEngineChannel final : public Channel {
   std::list<Transfer>::iterator abandon(std::list<Transfer>::iterator it, const Status& status);
   bool finishMove(Transfer& transfer);
   CUstream dmaStream(int localDevice, int peerDevice);
+  CUstream copyOutStream(int device);
 
   cuda::FlagSegment& flags_;
   cuda::IpcExporter exporter_;
   cuda::IpcCache ipc_;
+  uint64_t stagingBytes_;
   Done onDone_;
+  Notify notify_;
   std::map<std::pair<int, int>, CUstream> streams_;
+  std::map<int, CUstream> copyOutStreams_;
+  std::map<RingKey, std::shared_ptr<StagingRing>> rings_;  // null: none can be had
+  std::map<RingKey, std::shared_ptr<RemoteStagingRing>> remoteRings_;
+  std::list<Transfer> held_;    // cleared sends waiting for a slot or for `ready`
   std::list<Transfer> moving_;  // copies submitted (sends) or expected (recvs)
+  uint64_t stagedSends_ = 0;  // copied into a receiver's slot
+  uint64_t stagedRecvs_ = 0;  // copied out of one of our slots
 };
 
 }  // namespace smfree::engine

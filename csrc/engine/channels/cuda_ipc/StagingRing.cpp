@@ -1,0 +1,111 @@
+#include "engine/channels/cuda_ipc/StagingRing.h"
+
+#include <cstring>
+
+#include "engine/Error.h"
+#include "engine/cuda/CudaDriver.h"
+
+namespace smfree::engine {
+namespace {
+
+// The fixed part of a ring on the wire; its slot words, then its memory's export, follow.
+struct RingHeader {
+  uint64_t slotBytes;
+  uint32_t slots;
+  uint32_t unused;
+};
+
+cuda::IpcExport exportMemory(const cuda::DeviceMemory& memory) {
+  const cuda::Driver& d = cuda::driver();
+  cuda::ContextGuard context(memory.device());
+  cuda::IpcExport exported;
+  exported.kind = cuda::IpcExport::Kind::kIpcHandle;
+  exported.device = memory.device();
+  exported.address = memory.address();
+  exported.base = memory.address();
+  cuda::check(d.cuIpcGetMemHandle(&exported.handle, memory.address()),
+              "cuIpcGetMemHandle (staging ring)");
+  cuda::check(d.cuPointerGetAttribute(&exported.bufferId, CU_POINTER_ATTRIBUTE_BUFFER_ID,
+                                      memory.address()),
+              "cuPointerGetAttribute(BUFFER_ID) (staging ring)");
+  return exported;
+}
+
+}  // namespace
+
+cuda::Flag slotFull(const cuda::Flag& word, uint32_t use) { return word.plus(2 * use); }
+
+cuda::Flag slotEmptied(const cuda::Flag& word, uint32_t use) { return word.plus(2 * use + 1); }
+
+StagingRing::StagingRing(cuda::FlagSegment& flags, int device, uint64_t slotBytes)
+    : flags_(flags), slotBytes_(slotBytes), memory_(device, slotBytes * kStagingSlots) {
+  for (uint32_t slot = 0; slot < kStagingSlots; ++slot) words_.push_back(flags_.acquire());
+  exported_ = exportMemory(memory_);
+}
+
+void StagingRing::appendTo(std::string& out) const {
+  const RingHeader header{slotBytes_, static_cast<uint32_t>(words_.size()), 0};
+  out.append(reinterpret_cast<const char*>(&header), sizeof(header));
+  out.append(reinterpret_cast<const char*>(words_.data()), words_.size() * sizeof(cuda::Flag));
+  exported_.appendTo(out);
+}
+
+CUdeviceptr StagingRing::slotAddress(uint32_t slot) const {
+  return memory_.address() + static_cast<CUdeviceptr>(slot) * slotBytes_;
+}
+
+void StagingRing::releaseWaits() const {
+  // Far above any use a wait can be for, yet within the half range that GEQ compares.
+  constexpr uint32_t kBeyondAnyUse = 1u << 30;
+  for (const cuda::Flag& word : words_) {
+    flags_.set(cuda::Flag{word.index, flags_.wordOf(word) + kBeyondAnyUse});
+  }
+}
+
+std::shared_ptr<RemoteStagingRing> RemoteStagingRing::read(const char* data, size_t size) {
+  RingHeader header{};
+  if (size < sizeof(header)) {
+    fail("malformed staging ring: ", size, " B, shorter than its ", sizeof(header), " B header");
+  }
+  std::memcpy(&header, data, sizeof(header));
+  const size_t wordBytes = static_cast<size_t>(header.slots) * sizeof(cuda::Flag);
+  if (header.slots == 0 || header.slots > 64 || header.slotBytes == 0 ||
+      size < sizeof(header) + wordBytes) {
+    fail("malformed staging ring: ", header.slots, " slots of ", header.slotBytes, " B in ",
+         size, " B");
+  }
+  auto ring = std::make_shared<RemoteStagingRing>();
+  ring->slotBytes_ = header.slotBytes;
+  ring->words_.resize(header.slots);
+  std::memcpy(ring->words_.data(), data + sizeof(header), wordBytes);
+  ring->exported_ = cuda::IpcExport::read(data + sizeof(header) + wordBytes,
+                                          size - sizeof(header) - wordBytes);
+  if (ring->exported_.kind != cuda::IpcExport::Kind::kIpcHandle) {
+    fail("malformed staging ring: its memory is not exported as an IPC handle");
+  }
+  ring->uses_.assign(header.slots, 0);
+  return ring;
+}
+
+std::optional<StagedSlot> RemoteStagingRing::nextFree(const cuda::RemoteFlagSegment& words) const {
+  const StagedSlot staged{next_, uses_[next_]};
+  if (staged.use > 0 && !words.isSet(slotEmptied(words_[staged.slot], staged.use - 1))) {
+    return std::nullopt;
+  }
+  return staged;
+}
+
+void RemoteStagingRing::take(const StagedSlot& staged) {
+  uses_[staged.slot] = staged.use + 1;
+  next_ = (staged.slot + 1) % static_cast<uint32_t>(uses_.size());
+}
+
+CUdeviceptr RemoteStagingRing::slotAddress(const StagedSlot& staged, int localDevice) {
+  auto& mapping = mappings_[localDevice];
+  if (!mapping) {
+    mapping = std::make_unique<cuda::PeerMapping>(exported_, -1, localDevice);
+  }
+  return mapping->address() + static_cast<CUdeviceptr>(staged.slot) * slotBytes_;
+}
+
+}  // namespace smfree::engine

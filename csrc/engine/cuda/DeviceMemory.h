@@ -1,0 +1,28 @@
+#pragma once
+
+#include <cuda.h>
+
+#include <cstdint>
+
+namespace smfree::engine::cuda {
+
+// Device memory smfree allocates for itself (outside PyTorch's caching allocator), freed when
+// destroyed. From cuMemAlloc, so a legacy IPC handle exports it.
+class DeviceMemory {
+ public:
+  DeviceMemory(int device, uint64_t bytes);
+  ~DeviceMemory();
+  DeviceMemory(const DeviceMemory&) = delete;
+  DeviceMemory& operator=(const DeviceMemory&) = delete;
+
+  CUdeviceptr address() const { return address_; }
+  uint64_t bytes() const { return bytes_; }
+  int device() const { return device_; }
+
+ private:
+  int device_;
+  uint64_t bytes_;
+  CUdeviceptr address_ = 0;
+};
+
+}  // namespace smfree::engine::cuda
