@@ -13,6 +13,7 @@
 #include "engine/channels/cuda_ipc/CopyEngineChannel.h"
 #include "engine/channels/ucx/UcxChannel.h"
 #include "engine/cuda/CudaDriver.h"
+#include "engine/cuda/StreamMemoryOps.h"
 #include "engine/transports/ucx/UcxControl.h"
 #include "engine/transports/ucx/UcxWorker.h"
 
@@ -743,11 +744,8 @@ void Engine::retireCuda() {
 
 void Engine::writeFromStream(const Op& op, const cuda::Flag& flag) {
   cuda::ContextGuard context(op.request.buffer.device);
-  cuda::check(cuda::driver().cuStreamWriteValue32(
-                  static_cast<CUstream>(op.request.stream),
-                  reinterpret_cast<CUdeviceptr>(flags_->cudaAddress(flag.index)), flag.value,
-                  CU_STREAM_WRITE_VALUE_DEFAULT),
-              "cuStreamWriteValue32 (ready)");
+  cuda::writeWord(static_cast<CUstream>(op.request.stream), flags_->cudaAddress(flag.index),
+                  flag.value, "cuStreamWriteValue32 (ready)");
 }
 
 CudaFence Engine::prepareCuda(Op& op, std::chrono::milliseconds timeout) {
@@ -820,15 +818,10 @@ void Engine::waitOnStream(void* stream, int device, const CudaFence& fence) {
     return;
   }
   cuda::ContextGuard context(device);
-  // The flag says a peer's copy engine finished writing our memory over NVLink; the flush
-  // makes those writes visible to the work queued after the wait.
-  const unsigned flags =
-      CU_STREAM_WAIT_VALUE_GEQ | (cuda::canFlushRemoteWrites(device) ? CU_STREAM_WAIT_VALUE_FLUSH : 0);
-  cuda::check(cuda::driver().cuStreamWaitValue32(
-                  static_cast<CUstream>(stream),
-                  reinterpret_cast<CUdeviceptr>(flags_->cudaAddress(fence.done.index)),
-                  fence.done.value, flags),
-              "cuStreamWaitValue32 (done)");
+  // The flag says a peer's copy engine finished writing our memory over NVLink.
+  cuda::waitForRemoteWrites(static_cast<CUstream>(stream), device,
+                            flags_->cudaAddress(fence.done.index), fence.done.value,
+                            "cuStreamWaitValue32 (done)");
 }
 
 void Engine::sendControl(Peer& peer, const ControlMessage& message) {

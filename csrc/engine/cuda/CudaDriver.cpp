@@ -82,25 +82,6 @@ void check(CUresult result, const char* what) {
   }
 }
 
-bool canFlushRemoteWrites(int device) {
-  static std::mutex mutex;
-  static std::vector<int> known;  // -1 unknown, else the attribute
-  std::lock_guard<std::mutex> lock(mutex);
-  if (device >= static_cast<int>(known.size())) {
-    known.resize(device + 1, -1);
-  }
-  if (known[device] < 0) {
-    CUdevice handle = 0;
-    check(driver().cuDeviceGet(&handle, device), "cuDeviceGet");
-    int value = 0;
-    check(driver().cuDeviceGetAttribute(&value, CU_DEVICE_ATTRIBUTE_CAN_FLUSH_REMOTE_WRITES,
-                                        handle),
-          "cuDeviceGetAttribute(CAN_FLUSH_REMOTE_WRITES)");
-    known[device] = value;
-  }
-  return known[device] != 0;
-}
-
 ContextGuard::ContextGuard(int device) {
   check(driver().cuCtxPushCurrent(primaryContext(device)), "cuCtxPushCurrent");
 }

@@ -61,9 +61,6 @@ std::string errorText(CUresult result);
 // Throws Error("smfree: CUDA <what> failed: <driver message>") unless result is CUDA_SUCCESS.
 void check(CUresult result, const char* what);
 
-// CU_DEVICE_ATTRIBUTE_CAN_FLUSH_REMOTE_WRITES, read once per device.
-bool canFlushRemoteWrites(int device);
-
 // Makes a device's primary context (the one torch uses) current for a scope.
 class ContextGuard {
  public:

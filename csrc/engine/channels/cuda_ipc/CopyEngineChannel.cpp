@@ -8,6 +8,7 @@
 #include "engine/Log.h"
 #include "engine/Peer.h"
 #include "engine/cuda/CudaDriver.h"
+#include "engine/cuda/StreamMemoryOps.h"
 
 namespace smfree::engine {
 namespace {
@@ -28,24 +29,6 @@ struct StagedNotice {
   uint32_t use;
   uint32_t unused;
 };
-
-void waitWord(CUstream stream, void* word, uint32_t value, unsigned flags, const char* what) {
-  cuda::check(cuda::driver().cuStreamWaitValue32(stream, address(word), value,
-                                                 CU_STREAM_WAIT_VALUE_GEQ | flags),
-              what);
-}
-
-void writeWord(CUstream stream, void* word, uint32_t value, const char* what) {
-  cuda::check(cuda::driver().cuStreamWriteValue32(stream, address(word), value,
-                                                  CU_STREAM_WRITE_VALUE_DEFAULT),
-              what);
-}
-
-// What a wait for bytes that a peer's copy engine wrote into this device needs so that the
-// work after it sees them.
-unsigned flushOf(int device) {
-  return cuda::canFlushRemoteWrites(device) ? CU_STREAM_WAIT_VALUE_FLUSH : 0;
-}
 
 }  // namespace
 
@@ -203,7 +186,8 @@ void CopyEngineChannel::enqueueCopy(const Op& send, Peer& peer, const Clearance&
   // this clearance.
   send.cuda->produced->waitOn(stream);
   const cuda::Flag& ready = clearance.header.ready;
-  waitWord(stream, peerFlags.cudaAddress(ready.index), ready.value, 0, "cuStreamWaitValue32 (ready)");
+  cuda::waitAtLeast(stream, peerFlags.cudaAddress(ready.index), ready.value,
+                    "cuStreamWaitValue32 (ready)");
   const int device = send.request.buffer.device;
   const int ownerPidfd = peer.watch ? peer.watch->fd() : -1;
   void* destination =
@@ -217,8 +201,8 @@ void CopyEngineChannel::enqueueCopy(const Op& send, Peer& peer, const Clearance&
     // Last, so that a failure to enqueue it leaves no write of the GPU's behind the
     // kSenderGaveUp that the caller then writes.
     const cuda::Flag copied = clearance.header.done.plus(kCopied);
-    writeWord(stream, peerFlags.cudaAddress(copied.index), copied.value,
-              "cuStreamWriteValue32 (done)");
+    cuda::writeWord(stream, peerFlags.cudaAddress(copied.index), copied.value,
+                    "cuStreamWriteValue32 (done)");
   } catch (const Error&) {
     ipc_.done(peer.address.processKey, clearance.destination, device);
     throw;
@@ -236,8 +220,8 @@ void CopyEngineChannel::enqueueStagedCopy(Transfer& send, const StagedSlot& slot
               "cuMemcpyAsync (to a staging slot)");
   op.cuda->copied->record(stream);
   const cuda::Flag full = send.remote->full(slot);
-  writeWord(stream, send.peer->flags->cudaAddress(full.index), full.value,
-            "cuStreamWriteValue32 (staging slot full)");
+  cuda::writeWord(stream, send.peer->flags->cudaAddress(full.index), full.value,
+                  "cuStreamWriteValue32 (staging slot full)");
 }
 
 void CopyEngineChannel::onNotice(Peer& source, const std::string& data) {
@@ -287,30 +271,31 @@ void CopyEngineChannel::enqueueCopyOut(const Op& recv, StagingRing& ring, const 
   const CudaOpState& state = *recv.cuda;
   const int device = ring.device();
   // Both submitted before the notice: `ready` when the recv was posted, `full` by the sender.
-  waitWord(stream, flags_.cudaAddress(state.ready.index), state.ready.value, 0,
-           "cuStreamWaitValue32 (ready)");
+  cuda::waitAtLeast(stream, flags_.cudaAddress(state.ready.index), state.ready.value,
+                    "cuStreamWaitValue32 (ready)");
   const cuda::Flag full = ring.full(slot);
-  waitWord(stream, flags_.cudaAddress(full.index), full.value, flushOf(device),
-           "cuStreamWaitValue32 (staging slot full)");
+  cuda::waitForRemoteWrites(stream, device, flags_.cudaAddress(full.index), full.value,
+                            "cuStreamWaitValue32 (staging slot full)");
   cuda::check(cuda::driver().cuMemcpyAsync(address(recv.request.buffer.data),
                                            ring.slotAddress(slot.slot), recv.request.buffer.bytes,
                                            stream),
               "cuMemcpyAsync (out of a staging slot)");
   const cuda::Flag copied = state.done.plus(kCopied);
-  writeWord(stream, flags_.cudaAddress(copied.index), copied.value, "cuStreamWriteValue32 (done)");
+  cuda::writeWord(stream, flags_.cudaAddress(copied.index), copied.value,
+                  "cuStreamWriteValue32 (done)");
   const cuda::Flag emptied = ring.emptied(slot);
-  writeWord(stream, flags_.cudaAddress(emptied.index), emptied.value,
-            "cuStreamWriteValue32 (staging slot emptied)");
+  cuda::writeWord(stream, flags_.cudaAddress(emptied.index), emptied.value,
+                  "cuStreamWriteValue32 (staging slot emptied)");
 }
 
 void CopyEngineChannel::enqueueEmptying(StagingRing& ring, const StagedSlot& slot,
                                         CUstream stream) {
   const cuda::Flag full = ring.full(slot);
-  waitWord(stream, flags_.cudaAddress(full.index), full.value, 0,
-           "cuStreamWaitValue32 (staging slot full)");
+  cuda::waitAtLeast(stream, flags_.cudaAddress(full.index), full.value,
+                    "cuStreamWaitValue32 (staging slot full)");
   const cuda::Flag emptied = ring.emptied(slot);
-  writeWord(stream, flags_.cudaAddress(emptied.index), emptied.value,
-            "cuStreamWriteValue32 (staging slot emptied)");
+  cuda::writeWord(stream, flags_.cudaAddress(emptied.index), emptied.value,
+                  "cuStreamWriteValue32 (staging slot emptied)");
 }
 
 bool CopyEngineChannel::advanceHeld() {
