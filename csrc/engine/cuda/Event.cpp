@@ -1,5 +1,7 @@
 #include "engine/cuda/Event.h"
 
+#include <algorithm>
+#include <iterator>
 #include <map>
 #include <mutex>
 #include <vector>
@@ -71,11 +73,15 @@ std::shared_ptr<Event> takeEvent(int device) {
   std::shared_ptr<EventPool> pool = eventPool();
   std::unique_ptr<Event> event;
   {
+    // Only an event whose last record has run: a wait on a record still queued (a failed
+    // send's) would make the new holder's stream depend on unrelated work.
     std::lock_guard<std::mutex> lock(pool->mutex);
     auto& idle = pool->idle[device];
-    if (!idle.empty()) {
-      event = std::move(idle.back());
-      idle.pop_back();
+    const auto free = std::find_if(idle.rbegin(), idle.rend(),
+                                   [](const std::unique_ptr<Event>& e) { return e->reached(); });
+    if (free != idle.rend()) {
+      event = std::move(*free);
+      idle.erase(std::next(free).base());
     }
   }
   if (!event) {

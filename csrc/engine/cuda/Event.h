@@ -29,8 +29,9 @@ class Event {
 };
 
 // An event of `device` from the process's pool; it goes back there when its last holder
-// drops it. Creating and destroying two events per send cost more CPU time than the rest of
-// posting it. A reused event is safe: waits already queued keep the record they were given.
+// drops it, and is handed out again once its last record has run. Creating and destroying two
+// events per send cost more CPU time than the rest of posting it. A reused event is safe:
+// waits already queued keep the record they were given.
 std::shared_ptr<Event> takeEvent(int device);
 
 }  // namespace smfree::engine::cuda
