@@ -50,6 +50,7 @@ Event::~Event() {
 }
 
 void Event::record(CUstream stream) {
+  knownReached_.store(false, std::memory_order_release);
   ContextGuard context(device_);
   check(driver().cuEventRecord(event_, stream), "cuEventRecord");
 }
@@ -60,12 +61,16 @@ void Event::waitOn(CUstream stream) const {
 }
 
 bool Event::reached() const {
+  if (knownReached()) {
+    return true;
+  }
   ContextGuard context(device_);
   const CUresult result = driver().cuEventQuery(event_);
   if (result == CUDA_ERROR_NOT_READY) {
     return false;
   }
   check(result, "cuEventQuery");
+  knownReached_.store(true, std::memory_order_release);
   return true;
 }
 
@@ -77,8 +82,12 @@ std::shared_ptr<Event> takeEvent(int device) {
     // send's) would make the new holder's stream depend on unrelated work.
     std::lock_guard<std::mutex> lock(pool->mutex);
     auto& idle = pool->idle[device];
-    const auto free = std::find_if(idle.rbegin(), idle.rend(),
-                                   [](const std::unique_ptr<Event>& e) { return e->reached(); });
+    auto free = std::find_if(idle.rbegin(), idle.rend(),
+                             [](const std::unique_ptr<Event>& e) { return e->knownReached(); });
+    if (free == idle.rend()) {
+      free = std::find_if(idle.rbegin(), idle.rend(),
+                          [](const std::unique_ptr<Event>& e) { return e->reached(); });
+    }
     if (free != idle.rend()) {
       event = std::move(*free);
       idle.erase(std::next(free).base());

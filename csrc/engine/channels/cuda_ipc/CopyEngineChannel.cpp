@@ -345,6 +345,8 @@ bool CopyEngineChannel::finishMove(Transfer& transfer) {
     if (!op.cuda->copied->reached()) {
       return false;
     }
+    // The DMA stream waited for `produced` before the copy that `copied` follows.
+    op.cuda->produced->markReached();
     --op.outstanding;
     if (!transfer.slot) {
       ipc_.done(transfer.peer->address.processKey, transfer.clearance->destination,
