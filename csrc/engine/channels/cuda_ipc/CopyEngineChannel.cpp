@@ -185,9 +185,12 @@ void CopyEngineChannel::enqueueCopy(const Op& send, Peer& peer, const Clearance&
   // `produced` and the receiver's `ready` were submitted when the ops were posted, before
   // this clearance.
   send.cuda->produced->waitOn(stream);
+  // A `ready` already set needs no stream wait, which costs this thread about 2 µs per op.
   const cuda::Flag& ready = clearance.header.ready;
-  cuda::waitAtLeast(stream, peerFlags.cudaAddress(ready.index), ready.value,
-                    "cuStreamWaitValue32 (ready)");
+  if (!peerFlags.isSet(ready)) {
+    cuda::waitAtLeast(stream, peerFlags.cudaAddress(ready.index), ready.value,
+                      "cuStreamWaitValue32 (ready)");
+  }
   const int device = send.request.buffer.device;
   const int ownerPidfd = peer.watch ? peer.watch->fd() : -1;
   void* destination =
