@@ -136,14 +136,18 @@ void Engine::stop() {
 // ---------------------------------------------------------------- any thread
 
 void Engine::submit(std::function<void()> command) {
+  bool wake = false;
   {
     std::lock_guard<std::mutex> lock(commandsMutex_);
     if (stopping_) {
       fail("the engine has shut down");
     }
     commands_.push_back(std::move(command));
+    wake = sleeping_;
   }
-  worker_->signal();
+  if (wake) {
+    worker_->signal();
+  }
 }
 
 std::optional<std::string> Engine::failureOf(const std::string& processKey) {
@@ -202,10 +206,12 @@ void Engine::run() {
       continue;
     }
     {
+      // The worker is armed: from here on a submitter must fire its event fd.
       std::lock_guard<std::mutex> lock(commandsMutex_);
       if (!commands_.empty() || stopping_) {
         continue;
       }
+      sleeping_ = true;
     }
     sleep();
   }
@@ -280,6 +286,7 @@ bool Engine::runCommands() {
     if (stopping_) {
       return false;
     }
+    sleeping_ = false;
     batch.swap(commands_);
   }
   for (auto& command : batch) {
