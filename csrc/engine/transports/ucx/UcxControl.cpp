@@ -42,14 +42,17 @@ void UcxControl::send(UcxEndpoint& endpoint, std::vector<uint8_t> message,
                       FailureHandler onFailure) {
   auto pending = std::make_unique<PendingMessage>(PendingMessage{std::move(message), onFailure});
   ucp_request_param_t params{};
-  params.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
-                        UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+  params.op_attr_mask =
+      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
   // Eager: the whole message reaches the handler, which must not defer.
   params.flags = UCP_AM_SEND_FLAG_EAGER;
   params.cb.send = &onSent;
   params.user_data = pending.get();
   void* request = ucp_am_send_nbx(endpoint.handle(), kControlMessageId, nullptr, 0,
                                   pending->bytes.data(), pending->bytes.size(), &params);
+  if (request == nullptr) {
+    return;  // sent in place, as small messages usually are: no callback comes
+  }
   if (UCS_PTR_IS_ERR(request)) {
     onFailure(UCS_PTR_STATUS(request));
     return;
