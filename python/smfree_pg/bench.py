@@ -143,7 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     bandwidth.add_argument("--warmup", type=int, default=5,
                            help="untimed ops before the timed loops (default: %(default)s)")
     bandwidth.add_argument("--reps", type=int, default=3,
-                           help="timed loops; the median counts (default: %(default)s)")
+                           help="timed loops per backend, the backends taking turns; the median "
+                           "counts (default: %(default)s)")
     overlap = parser.add_argument_group("overlap")
     overlap.add_argument("--gemm-n", type=int, default=8192,
                          help="GEMM size: N x N times N x N (default: %(default)s)")
@@ -346,30 +347,42 @@ def seconds_per_op(step, iters: int) -> float:
     return (time.perf_counter() - start) / iters
 
 
-def measure_p2p(ctx: Ctx, backend: str, mode: str, send, recv, iters: int, args):
-    """This rank's seconds per op in each timed loop, and what was wrong with the data, if any."""
-    if ctx.peer is None:
-        for _ in range(args.reps):
-            barrier(ctx)
-        return [], None
+def p2p_step(ctx: Ctx, backend: str, mode: str, send, recv) -> Callable[[], None]:
     group = ctx.groups[backend]
     if mode == "oneway":
-        step = oneway_step(ctx, group, send, recv)
-    else:
-        def step():
-            exchange(group, send, recv, ctx.peer)
-    recv.zero_()
-    for _ in range(args.warmup):
-        step()
+        return oneway_step(ctx, group, send, recv)
+    return lambda: exchange(group, send, recv, ctx.peer)
+
+
+def measure_p2p(ctx: Ctx, mode: str, send, recvs: dict, iters: int, args):
+    """This rank's seconds per op in each timed loop, by backend, and what was wrong with the
+    data, if anything.
+
+    The backends take turns loop by loop, the first one alternating, so that a drift in the
+    machine's state (clocks, other tenants) falls on both alike and each round pairs them.
+    """
+    if ctx.peer is None:
+        for _ in range(args.reps * len(BACKENDS)):
+            barrier(ctx)
+        return {backend: [] for backend in BACKENDS}, None
+    steps = {b: p2p_step(ctx, b, mode, send, recvs[b]) for b in BACKENDS}
+    for backend in BACKENDS:
+        recvs[backend].zero_()
+        for _ in range(args.warmup):
+            steps[backend]()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(args.reps):
-        barrier(ctx)
-        times.append(seconds_per_op(step, iters))
+    times = {backend: [] for backend in BACKENDS}
+    for rep in range(args.reps):
+        for backend in BACKENDS[::-1] if rep % 2 else BACKENDS:
+            barrier(ctx)
+            times[backend].append(seconds_per_op(steps[backend], iters))
     if mode == "oneway" and ctx.rank < ctx.peer:
         return times, None
-    where = f"rank {ctx.rank}, {backend} {mode}, {format_size(send.numel() * 4)}"
-    return times, mismatch(recv, ctx.peer, where)
+    for backend in BACKENDS:
+        where = f"rank {ctx.rank}, {backend} {mode}, {format_size(send.numel() * 4)}"
+        if error := mismatch(recvs[backend], ctx.peer, where):
+            return times, error
+    return times, None
 
 
 def figure(seconds: list[float], size: int) -> dict:
@@ -459,20 +472,24 @@ def synchronize(*devices: torch.device) -> None:
 
 def measure_row(ctx: Ctx, size: int, iters: int, args) -> dict:
     """smfree's and NCCL's figures for one message size, one way and both ways."""
-    row = {"bytes": size, "iters": iters}
-    send = recv = None
+    row = {"bytes": size, "iters": iters, "paired": {}}
+    send, recvs = None, {}
     if ctx.peer is not None:
         send = pattern(ctx.rank, size // 4, ctx.device)
-        recv = torch.empty_like(send)
+        recvs = {backend: torch.empty_like(send) for backend in BACKENDS}
     for backend in BACKENDS:
         row[backend] = {}
-        for mode in MODES:
-            times, error = measure_p2p(ctx, backend, mode, send, recv, iters, args)
-            gathered = gather(ctx, (times, error))
-            raise_on_errors([e for _, e in gathered], f"bandwidth over {backend}")
-            row[backend][mode] = fig = pair_figure([t for t, _ in gathered], size)
+    for mode in MODES:
+        times, error = measure_p2p(ctx, mode, send, recvs, iters, args)
+        gathered = gather(ctx, (times, error))
+        raise_on_errors([e for _, e in gathered], f"bandwidth {mode}")
+        for backend in BACKENDS:
+            row[backend][mode] = fig = pair_figure([t[backend] for t, _ in gathered], size)
             log(ctx, f"bandwidth {format_size(size):>7} {backend:6} {mode:6} "
                      f"{fig['us']:10.1f} µs {fig['GBps']:8.2f} GB/s  ({iters} ops)")
+        ratios = [nccl / smfree for smfree, nccl in
+                  zip(row["smfree"][mode]["us_reps"], row["nccl"][mode]["us_reps"], strict=True)]
+        row["paired"][mode] = {"ratios": ratios, "ratio": statistics.median(ratios)}
     return row
 
 
@@ -498,6 +515,8 @@ def run_bandwidth(ctx: Ctx, args) -> dict:
         "reps": args.reps,
         "units": {"us": "µs per op (oneway: per send/recv; bidir: per exchange); median of reps, "
                         "the slower rank of the pair per rep",
+                  "paired": "smfree GB/s / NCCL GB/s in each rep (the backends alternate rep by "
+                            "rep), and their median",
                   "GBps": "bytes one way / time per op; 1 GB = 1e9 B"},
         "rows": rows,
     }
@@ -812,12 +831,13 @@ def print_bandwidth(section: dict) -> None:
                 _num(smfree["us"]), _num(smfree["GBps"], 2),
                 _num(nccl["us"]), _num(nccl["GBps"], 2),
                 _num(ce and ce["us"]), _num(ce and ce["GBps"], 2),
-                _num(smfree["GBps"] / nccl["GBps"], 2),
+                _num(row["paired"][mode]["ratio"], 2),
                 _num(ce and smfree["GBps"] / ce["GBps"], 2),
             ])
         header = ["size", "smfree µs", "smfree GB/s", "NCCL µs", "NCCL GB/s", "copy eng. µs",
                   "copy eng. GB/s", "smfree/NCCL", "smfree/copy eng."]
-        print(f"\nBandwidth, {MODE_TITLES[mode]}; µs per op, GB/s = bytes one way / µs per op")
+        print(f"\nBandwidth, {MODE_TITLES[mode]}; µs per op, GB/s = bytes one way / µs per op; "
+              "smfree/NCCL = median over timed loops of their ratio in the same round")
         print(format_table(header, rows), flush=True)
 
 
