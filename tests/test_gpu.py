@@ -515,6 +515,11 @@ def _one_way_into_one_buffer(rank, world, rounds):
     dev = torch.device("cuda", rank)
     backend = dist.group.WORLD._get_backend(dev)
     buffer = torch.empty(max(STAGING_SIZES) // 4, dtype=torch.int32, device=dev)
+    # Start together, the sender's kernels already loaded, so that the receiver's sleep below
+    # outlasts the wait for the first send (0.1 s of it did not, in some runs on 4 GPUs).
+    _numbered(0, 1, dev)
+    torch.cuda.synchronize()
+    dist.barrier()
     if rank == 0:
         for i in range(rounds):
             numel = STAGING_SIZES[i % len(STAGING_SIZES)] // 4
@@ -522,8 +527,9 @@ def _one_way_into_one_buffer(rank, world, rounds):
             dist.isend(buffer[:numel], 1).wait()
         torch.cuda.synchronize()
         return backend._stats()["staged_sends"]
-    # Behind this, no recv's stream is ready when its send is cleared: each send may be staged.
-    torch.cuda._sleep(200_000_000)
+    # Behind this (~0.5 s), no recv's stream is ready when its send is cleared: each send may be
+    # staged.
+    torch.cuda._sleep(1_000_000_000)
     received = []
     for i in range(rounds):
         numel = STAGING_SIZES[i % len(STAGING_SIZES)] // 4
