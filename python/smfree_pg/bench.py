@@ -2,8 +2,9 @@
 
 1. bandwidth: time per op and GB/s for message sizes 4 KiB ... 1 GiB, one way (rank 0 sends,
    rank 1 receives) and both ways at once (each rank sends and receives), over smfree and over
-   NCCL, posted from Python as users post them; beside them a single process's peer copy
-   (`dst.copy_(src)` from rank 0's GPU to rank 1's, and back), the copy engines' own limit.
+   NCCL, posted from Python as users post them, the two backends' timed loops taking turns;
+   beside them a single process's peer copy (`dst.copy_(src)` from rank 0's GPU to rank 1's,
+   and back), the copy engines' own limit.
 2. overlap: a bf16 GEMM loop on the compute stream while P2P moves tens of GiB each way on a
    side stream; the GEMM's slowdown under smfree and under NCCL traffic, and the GB/s moved.
 3. profile: a torch.profiler trace of a few P2P ops over each backend; the CUDA kernels they
