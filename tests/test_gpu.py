@@ -515,9 +515,11 @@ def _one_way_into_one_buffer(rank, world, rounds):
     dev = torch.device("cuda", rank)
     backend = dist.group.WORLD._get_backend(dev)
     buffer = torch.empty(max(STAGING_SIZES) // 4, dtype=torch.int32, device=dev)
-    # Start together, the sender's kernels already loaded, so that the receiver's sleep below
-    # outlasts the wait for the first send (0.1 s of it did not, in some runs on 4 GPUs).
+    # Connect first, with the sender's kernels loaded, and start together: the receiver's sleep
+    # below must outlast the wait for the first send. Without the exchange, a first op's setup
+    # fell inside it in some runs (no send staged, on 2 and 4 GPUs).
     _numbered(0, 1, dev)
+    exchange(torch.ones(4, device=dev), torch.empty(4, device=dev), 1 - rank)
     torch.cuda.synchronize()
     dist.barrier()
     if rank == 0:
