@@ -182,9 +182,15 @@ void Engine::run() {
   auto lastActivity = Clock::now();
   auto lastScan = lastActivity;
   auto lastSweep = lastActivity;
+  // UCX pins host memory for CUDA copies only while a context is current (cuda_copy's
+  // registration is a no-op otherwise), and it allocates its host staging fragments from
+  // inside worker progress. Unpinned fragments halved host-staged bandwidth, so once a CUDA
+  // buffer has gone to UCX its device's context stays current on this thread.
+  cuda::CurrentContext ucxContext;
   while (runCommands()) {
     bool active = copyEngine_->progress();
     active = ucxChannel_->progress() || active;
+    if (const int device = ucxChannel_->cudaDevice(); device >= 0) ucxContext.use(device);
     while (worker_->progress() != 0) {
       active = true;
     }

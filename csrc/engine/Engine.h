@@ -31,6 +31,7 @@ namespace smfree::engine {
 class Channel;
 class CopyEngineChannel;
 class Group;
+class UcxChannel;
 class UcxControl;
 class UcxWorker;
 
@@ -124,7 +125,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::unique_ptr<cuda::FlagSegment> flags_;
   PeerAddress local_;
   std::unique_ptr<UcxControl> control_;
-  std::unique_ptr<Channel> ucxChannel_;
+  std::unique_ptr<UcxChannel> ucxChannel_;
   std::unique_ptr<CopyEngineChannel> copyEngine_;
 
   std::mutex commandsMutex_;

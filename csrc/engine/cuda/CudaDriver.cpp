@@ -91,4 +91,12 @@ ContextGuard::~ContextGuard() {
   driver().cuCtxPopCurrent(&popped);
 }
 
+void CurrentContext::use(int device) {
+  if (device == device_) return;
+  guard_.reset();
+  device_ = -1;
+  guard_.emplace(device);
+  device_ = device;
+}
+
 }  // namespace smfree::engine::cuda

@@ -2,6 +2,7 @@
 
 #include <cuda.h>
 
+#include <optional>
 #include <string>
 
 namespace smfree::engine::cuda {
@@ -68,6 +69,17 @@ class ContextGuard {
   ~ContextGuard();
   ContextGuard(const ContextGuard&) = delete;
   ContextGuard& operator=(const ContextGuard&) = delete;
+};
+
+// Keeps one device's primary context current on the owning thread until another device is
+// asked for or the object goes; create and destroy it on the same thread.
+class CurrentContext {
+ public:
+  void use(int device);
+
+ private:
+  std::optional<ContextGuard> guard_;
+  int device_ = -1;
 };
 
 }  // namespace smfree::engine::cuda

@@ -73,6 +73,7 @@ ucs_status_t UcxChannel::post(const std::shared_ptr<Op>& op, Call&& call) {
   ucp_request_param_t params = requestParams(*transfer);
   std::optional<cuda::ContextGuard> context;
   enterContextOf(op->request.buffer, context);
+  if (context) cudaDevice_ = op->request.buffer.device;
   ++op->outstanding;  // before the call, which may already run the completion callback
   Transfer* owned = transfer.release();  // owned by the request until its callback
   void* request = call(params);

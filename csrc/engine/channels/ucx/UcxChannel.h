@@ -28,6 +28,8 @@ class UcxChannel final : public Channel {
   void cancel(Op& op) override;
   bool progress() override;
   bool busy() const override { return !waiting_.empty(); }
+  // The device of the latest CUDA buffer handed to UCX; -1 before the first.
+  int cudaDevice() const { return cudaDevice_; }
 
  private:
   struct Transfer;
@@ -53,6 +55,7 @@ class UcxChannel final : public Channel {
   const cuda::FlagSegment& flags_;
   Done onDone_;
   std::vector<Waiting> waiting_;
+  int cudaDevice_ = -1;
 };
 
 }  // namespace smfree::engine
