@@ -26,8 +26,9 @@ def test_json_report_has_ucx_transports_and_gpus():
         assert "libcuda" in report["cuda"]["error"] or report["cuda"].get("devices") == []
 
 
-def test_text_report_warns_about_shared_hardware_queues():
+def test_text_report_explains_shared_hardware_queues():
     result = doctor(env={"CUDA_DEVICE_MAX_CONNECTIONS": "1", "SMFREE_LOG_LEVEL": "info"})
     assert result.returncode == 0, result.stderr
-    assert "CUDA_DEVICE_MAX_CONNECTIONS=1: streams share hardware queues" in result.stdout
+    assert ("CUDA_DEVICE_MAX_CONNECTIONS=1: streams share hardware queues; smfree's stream waits "
+            "are only for work already submitted, so this is safe") in result.stdout
     assert "SMFREE_LOG_LEVEL=info" in result.stdout

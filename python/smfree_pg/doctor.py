@@ -64,8 +64,9 @@ def render(report: dict) -> str:
             lines.append(f"    peer access to: {', '.join(peers) if peers else 'none'}")
     connections = report["settings"].get("CUDA_DEVICE_MAX_CONNECTIONS")
     if connections is not None:
-        lines.append(f"CUDA_DEVICE_MAX_CONNECTIONS={connections}: streams share hardware queues, "
-                     "which the experimental CUDA path is not yet safe with (README, Design)")
+        lines.append(f"CUDA_DEVICE_MAX_CONNECTIONS={connections}: streams share hardware queues; "
+                     "smfree's stream waits are only for work already submitted, so this is safe "
+                     "(README, Design: \"No stream waits for the future\")")
     lines.append("settings: " + (", ".join(f"{k}={v}" for k, v in report["settings"].items())
                                  or "none"))
     return "\n".join(lines)
