@@ -658,6 +658,40 @@ def test_peer_killed_mid_transfer_fails_the_pending_recv():
     assert waited < 60
 
 
+def _exchanges_and_staging(rank, world, sizes):
+    dev = torch.device("cuda", rank)
+    backend = dist.group.WORLD._get_backend(dev)
+    before = backend._stats()
+    for nbytes in sizes:
+        mine = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=dev,
+                             generator=torch.Generator(dev).manual_seed(rank + nbytes))
+        got = torch.zeros(nbytes, dtype=torch.uint8, device=dev)
+        exchange(mine, got, 1 - rank, batched=nbytes % 2 == 0)
+        expected = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=dev,
+                                 generator=torch.Generator(dev).manual_seed(1 - rank + nbytes))
+        assert torch.equal(got, expected), f"{nbytes} B differ"
+    after = backend._stats()
+    return {key: after[key] - before[key] if key != "ucx_host_staging_cached_bytes" else after[key]
+            for key in ("ucx_host_staged_sends", "ucx_host_staged_recvs",
+                        "ucx_host_staging_cached_bytes")}
+
+
+# UCX over TCP alone copies CUDA memory in small pieces; smfree then stages through host memory.
+UCX_TCP_ONLY = {"tcp"} <= set(os.environ.get("UCX_TLS", "").split(",")) <= {"tcp", "cuda_copy"}
+
+
+@ucx_only
+def test_cuda_goes_through_pinned_host_memory_exactly_where_ucx_has_only_tcp():
+    sizes = [0, 1, 4097, 1 << 20, (16 << 20) + 3, 1 << 20]
+    moved = sum(1 for nbytes in sizes if nbytes)
+    for counts in run_ranks(_exchanges_and_staging, 2, sizes, cuda=True):
+        staged = moved if UCX_TCP_ONLY else 0
+        assert counts["ucx_host_staged_sends"] == staged, counts
+        assert counts["ucx_host_staged_recvs"] == staged, counts
+        # Host buffers come back to the cache once their transfers are done.
+        assert (counts["ucx_host_staging_cached_bytes"] > 0) == UCX_TCP_ONLY, counts
+
+
 def _send_once(rank, world, from_cuda):
     dev = torch.device("cuda", rank)
     try:

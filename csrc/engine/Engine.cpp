@@ -405,7 +405,11 @@ std::map<std::string, int64_t> Engine::stats() {
           {"flag_words_in_use", static_cast<int64_t>(flags_->inUse())},
           {"staging_rings", static_cast<int64_t>(copyEngine_->stagingRings())},
           {"staged_sends", static_cast<int64_t>(copyEngine_->stagedSends())},
-          {"staged_recvs", static_cast<int64_t>(copyEngine_->stagedRecvs())}};
+          {"staged_recvs", static_cast<int64_t>(copyEngine_->stagedRecvs())},
+          {"ucx_host_staged_sends", static_cast<int64_t>(ucxChannel_->hostStagedSends())},
+          {"ucx_host_staged_recvs", static_cast<int64_t>(ucxChannel_->hostStagedRecvs())},
+          {"ucx_host_staging_cached_bytes",
+           static_cast<int64_t>(ucxChannel_->hostStagingCachedBytes())}};
 }
 
 void Engine::startOp(const std::shared_ptr<Op>& op) {

@@ -22,6 +22,7 @@ namespace smfree::engine::cuda {
   X(cuCtxPopCurrent)\
   X(cuStreamCreate)\
   X(cuStreamDestroy)\
+  X(cuStreamSynchronize)\
   X(cuStreamWaitValue32)\
   X(cuStreamWriteValue32)\
   X(cuStreamWaitEvent)\
@@ -32,6 +33,8 @@ namespace smfree::engine::cuda {
   X(cuMemcpyAsync)\
   X(cuMemAlloc)\
   X(cuMemFree)\
+  X(cuMemHostAlloc)\
+  X(cuMemFreeHost)\
   X(cuMemHostRegister)\
   X(cuMemHostUnregister)\
   X(cuMemGetAddressRange)\

@@ -4,6 +4,7 @@
 #include <optional>
 
 #include "engine/Error.h"
+#include "engine/Log.h"
 #include "engine/Peer.h"
 #include "engine/cuda/CudaDriver.h"
 
@@ -12,6 +13,7 @@ namespace smfree::engine {
 struct UcxChannel::Transfer {
   UcxChannel* channel;
   std::shared_ptr<Op> op;
+  std::shared_ptr<cuda::PinnedMemory> host;  // what UCX moves instead of a staged op's buffer
   // Set while the posting call runs: UCX may complete the request inside that call.
   bool* finishedWhilePosting = nullptr;
 };
@@ -22,6 +24,10 @@ constexpr ucp_tag_t kFullMask = ~ucp_tag_t{0};
 
 ucs_memory_type_t memoryType(const Buffer& buffer) {
   return buffer.memory == MemoryKind::kCuda ? UCS_MEMORY_TYPE_CUDA : UCS_MEMORY_TYPE_HOST;
+}
+
+Status abandoned(const Op& op) {
+  return Status::failure(StatusCode::kAborted, concat(op.describe(), " was cancelled"));
 }
 
 Status transportFailure(const Op& op, ucs_status_t status) {
@@ -44,7 +50,8 @@ ucp_request_param_t UcxChannel::requestParams(Transfer& transfer) const {
   params.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
                         UCP_OP_ATTR_FIELD_MEMORY_TYPE | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
   params.user_data = &transfer;
-  params.memory_type = memoryType(transfer.op->request.buffer);
+  params.memory_type =
+      transfer.host ? UCS_MEMORY_TYPE_HOST : memoryType(transfer.op->request.buffer);
   return params;
 }
 
@@ -52,10 +59,38 @@ bool UcxChannel::streamReached(const Op& op) const {
   return !op.streamReady || flags_.isSet(*op.streamReady);
 }
 
-std::string UcxChannel::armRecv(const std::shared_ptr<Op>& recv, Peer&) {
+bool UcxChannel::stagesThroughHost(const Op& op, Peer& peer) {
+  const Buffer& buffer = op.request.buffer;
+  if (buffer.memory != MemoryKind::kCuda || buffer.bytes == 0 || !peer.endpoint) return false;
+  const auto& transports = peer.endpoint->transports();
+  if (!transports) {
+    logOnce("ucx-transports-unknown",
+            "this UCX cannot list an endpoint's transports (UCX < 1.14): CUDA tensors go to "
+            "UCX as they are, also where it copies them in small pieces (TCP)");
+    return false;
+  }
+  bool tcpOnly = !transports->empty();
+  std::string names;
+  for (const std::string& transport : *transports) {
+    tcpOnly = tcpOnly && transport.rfind("tcp/", 0) == 0;
+    names += (names.empty() ? "" : ", ") + transport;
+  }
+  if (tcpOnly) {
+    logOnce("ucx-host-staging " + peer.address.processKey,
+            concat("UCX reaches ", peer.describe(), " over TCP only (", names,
+                   "), where it copies CUDA memory in small pieces: CUDA tensors to and from it "
+                   "go through pinned host memory, copied by copy engines"));
+  }
+  return tcpOnly;
+}
+
+std::string UcxChannel::armRecv(const std::shared_ptr<Op>& recv, Peer& source) {
   const ucp_tag_t tag = recv->id;
-  if (streamReached(*recv)) {
-    postRecv(recv, tag);
+  if (stagesThroughHost(*recv, source)) {
+    const Buffer& buffer = recv->request.buffer;
+    postRecv(recv, tag, staging_.take(buffer.device, buffer.bytes));
+  } else if (streamReached(*recv)) {
+    postRecv(recv, tag, nullptr);
   } else {
     ++recv->outstanding;  // the buffer is promised to UCX
     waiting_.push_back(Waiting{recv, nullptr, tag});
@@ -66,13 +101,14 @@ std::string UcxChannel::armRecv(const std::shared_ptr<Op>& recv, Peer&) {
 }
 
 template <typename Call>
-ucs_status_t UcxChannel::post(const std::shared_ptr<Op>& op, Call&& call) {
-  auto transfer = std::make_unique<Transfer>(Transfer{this, op});
+ucs_status_t UcxChannel::post(const std::shared_ptr<Op>& op,
+                              std::shared_ptr<cuda::PinnedMemory> host, Call&& call) {
+  auto transfer = std::make_unique<Transfer>(Transfer{this, op, std::move(host)});
   bool finishedWhilePosting = false;
   transfer->finishedWhilePosting = &finishedWhilePosting;
   ucp_request_param_t params = requestParams(*transfer);
   std::optional<cuda::ContextGuard> context;
-  enterContextOf(op->request.buffer, context);
+  if (!transfer->host) enterContextOf(op->request.buffer, context);
   if (context) cudaDevice_ = op->request.buffer.device;
   ++op->outstanding;  // before the call, which may already run the completion callback
   Transfer* owned = transfer.release();  // owned by the request until its callback
@@ -89,11 +125,13 @@ ucs_status_t UcxChannel::post(const std::shared_ptr<Op>& op, Call&& call) {
   return UCS_OK;
 }
 
-void UcxChannel::postRecv(const std::shared_ptr<Op>& recv, ucp_tag_t tag) {
-  const ucs_status_t status = post(recv, [&](ucp_request_param_t& params) {
+void UcxChannel::postRecv(const std::shared_ptr<Op>& recv, ucp_tag_t tag,
+                          std::shared_ptr<cuda::PinnedMemory> host) {
+  void* data = host ? host->data() : recv->request.buffer.data;
+  const ucs_status_t status = post(recv, std::move(host), [&](ucp_request_param_t& params) {
     params.cb.recv = &UcxChannel::onReceived;
-    return ucp_tag_recv_nbx(worker_.handle(), recv->request.buffer.data,
-                            recv->request.buffer.bytes, tag, kFullMask, &params);
+    return ucp_tag_recv_nbx(worker_.handle(), data, recv->request.buffer.bytes, tag, kFullMask,
+                            &params);
   });
   if (status != UCS_OK) {
     fail("UCX could not post ", recv->describe(), ": ", ucxStatusText(status));
@@ -118,17 +156,46 @@ void UcxChannel::startSend(const std::shared_ptr<Op>& send, Peer& destination,
 }
 
 void UcxChannel::postSend(const std::shared_ptr<Op>& send, Peer& destination, ucp_tag_t tag) {
-  const ucs_status_t status = post(send, [&](ucp_request_param_t& params) {
+  if (stagesThroughHost(*send, destination)) {
+    copyOut(send, destination, tag);
+  } else {
+    transmit(send, destination, tag, nullptr);
+  }
+}
+
+void UcxChannel::transmit(const std::shared_ptr<Op>& send, Peer& destination, ucp_tag_t tag,
+                          std::shared_ptr<cuda::PinnedMemory> host) {
+  const void* data = host ? host->data() : send->request.buffer.data;
+  const ucs_status_t status = post(send, std::move(host), [&](ucp_request_param_t& params) {
     params.cb.send = &UcxChannel::onSent;
-    return ucp_tag_send_nbx(destination.endpoint->handle(), send->request.buffer.data,
-                            send->request.buffer.bytes, tag, &params);
+    return ucp_tag_send_nbx(destination.endpoint->handle(), data, send->request.buffer.bytes,
+                            tag, &params);
   });
   if (status != UCS_OK) {
     onDone_(send, transportFailure(*send, status));
   }
 }
 
+void UcxChannel::copyOut(const std::shared_ptr<Op>& send, Peer& destination, ucp_tag_t tag) {
+  const Buffer& buffer = send->request.buffer;
+  try {
+    std::shared_ptr<cuda::PinnedMemory> host = staging_.take(buffer.device, buffer.bytes);
+    std::shared_ptr<cuda::Event> copied = staging_.copyToHost(buffer, *host);
+    ++send->outstanding;  // the copy reads the buffer
+    staged_.push_back(Staged{send, std::move(host), std::move(copied), &destination, tag});
+    ++hostStagedSends_;
+  } catch (const Error& error) {
+    onDone_(send, Status::failure(StatusCode::kTransport,
+                                  concat(send->describe(), ": ", error.what())));
+  }
+}
+
 bool UcxChannel::progress() {
+  const bool posted = advanceWaiting();
+  return advanceStaged() || posted;
+}
+
+bool UcxChannel::advanceWaiting() {
   bool posted = false;
   for (size_t i = 0; i < waiting_.size();) {
     if (!streamReached(*waiting_[i].op)) {
@@ -144,12 +211,55 @@ bool UcxChannel::progress() {
       continue;
     }
     try {
-      postRecv(ready.op, ready.tag);
+      postRecv(ready.op, ready.tag, nullptr);
     } catch (const Error& error) {
       onDone_(ready.op, Status::failure(StatusCode::kTransport, error.what()));
     }
   }
   return posted;
+}
+
+bool UcxChannel::advanceStaged() {
+  bool advanced = false;
+  for (size_t i = 0; i < staged_.size();) {
+    Staged& staged = staged_[i];
+    const bool failed = staged.op->finished();
+    if (!staged.copied && !failed) {
+      // A landed recv: copied in once its stream no longer uses the buffer.
+      if (streamReached(*staged.op)) {
+        try {
+          staged.copied = staging_.copyToDevice(*staged.host, staged.op->request.buffer);
+          ++hostStagedRecvs_;
+          advanced = true;
+        } catch (const Error& error) {
+          std::shared_ptr<Op> op = std::move(staged.op);
+          staged_.erase(staged_.begin() + static_cast<std::ptrdiff_t>(i));
+          --op->outstanding;
+          onDone_(op, Status::failure(StatusCode::kTransport,
+                                      concat(op->describe(), ": ", error.what())));
+          continue;
+        }
+      }
+      ++i;
+      continue;
+    }
+    if (staged.copied && !staged.copied->reached()) {
+      ++i;
+      continue;
+    }
+    Staged done = std::move(staged);
+    staged_.erase(staged_.begin() + static_cast<std::ptrdiff_t>(i));
+    --done.op->outstanding;
+    advanced = true;
+    if (failed) {
+      onDone_(done.op, abandoned(*done.op));  // releases it: its outcome is already told
+    } else if (done.destination) {
+      transmit(done.op, *done.destination, done.tag, std::move(done.host));
+    } else {
+      onDone_(done.op, Status::success());
+    }
+  }
+  return advanced;
 }
 
 void UcxChannel::cancel(Op& op) {
@@ -162,10 +272,10 @@ void UcxChannel::cancel(Op& op) {
     std::shared_ptr<Op> cancelled = std::move(it->op);
     waiting_.erase(it);
     --cancelled->outstanding;
-    onDone_(cancelled, Status::failure(StatusCode::kAborted,
-                                       concat(cancelled->describe(), " was cancelled")));
+    onDone_(cancelled, abandoned(*cancelled));
     return;
   }
+  // Staged ops end in advanceStaged(): at once unless a copy still touches the buffer.
 }
 
 void UcxChannel::finish(Transfer& transfer, void* request, const Status& status) {
@@ -174,6 +284,11 @@ void UcxChannel::finish(Transfer& transfer, void* request, const Status& status)
   op.transportRequest = nullptr;
   --op.outstanding;
   ucp_request_free(request);
+  if (status.ok() && transfer.host && !op.isSend()) {
+    ++op.outstanding;  // promised to the copy in
+    staged_.push_back(Staged{transfer.op, std::move(transfer.host), nullptr, nullptr, 0});
+    return;
+  }
   onDone_(transfer.op, status);
 }
 

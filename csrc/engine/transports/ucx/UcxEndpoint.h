@@ -4,6 +4,8 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
+#include <string>
 #include <vector>
 
 namespace smfree::engine {
@@ -25,6 +27,9 @@ class UcxEndpoint {
   UcxEndpoint& operator=(const UcxEndpoint&) = delete;
 
   ucp_ep_h handle() const { return endpoint_; }
+  // The transports UCX moves data with toward the peer, as "tcp/eth0"; none where this UCX
+  // cannot tell (before 1.14). Asked once, on first use, when the lanes are settled.
+  const std::optional<std::vector<std::string>>& transports();
   void peerGone() { forceClose_ = true; }
 
  private:
@@ -33,6 +38,8 @@ class UcxEndpoint {
   ucp_worker_h worker_;
   ucp_ep_h endpoint_ = nullptr;
   bool forceClose_;
+  bool queried_ = false;
+  std::optional<std::vector<std::string>> transports_;
   ErrorHandler onError_;
 };
 
