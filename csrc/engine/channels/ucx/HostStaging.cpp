@@ -1,6 +1,7 @@
 #include "engine/channels/ucx/HostStaging.h"
 
 #include <mutex>
+#include <vector>
 
 #include "engine/Log.h"
 #include "engine/cuda/CudaDriver.h"
@@ -8,35 +9,39 @@
 namespace smfree::engine {
 namespace {
 
-// Pipeline stages send tensors of the same few sizes again and again; allocating pinned
-// memory costs milliseconds, so idle buffers are kept, up to this much.
-constexpr uint64_t kMaxCachedBytes = uint64_t{256} << 20;
-constexpr uint64_t kGranule = uint64_t{64} << 10;
+// Buffers come in power-of-two sizes from 64 KiB, so a buffer serves every size of its class.
+constexpr uint64_t kSmallestClass = uint64_t{64} << 10;
+
+uint64_t sizeClass(uint64_t bytes) {
+  uint64_t size = kSmallestClass;
+  while (size < bytes) size *= 2;
+  return size;
+}
 
 }  // namespace
 
-// Idle buffers by size. Shared with the deleters of the buffers handed out, which may run
-// after the HostStaging is gone (a UCX request freed late): they then free the memory.
+// Idle buffers by size class. Allocating pinned memory costs milliseconds (a 256 MiB buffer
+// per op made 256 MiB sends 5 x slower), so buffers are kept, as PyTorch keeps its pinned
+// host blocks: what is cached never exceeds what was in use at once, per class. Shared with
+// the deleters of the buffers handed out, which may run after the HostStaging is gone (a UCX
+// request freed late): they then free the memory.
 struct HostStaging::Cache {
   std::mutex mutex;
-  std::multimap<uint64_t, std::unique_ptr<cuda::PinnedMemory>> idle;
+  std::map<uint64_t, std::vector<std::unique_ptr<cuda::PinnedMemory>>> idle;
   uint64_t idleBytes = 0;
 
   void giveBack(std::unique_ptr<cuda::PinnedMemory> memory) {
     std::lock_guard<std::mutex> lock(mutex);
-    if (idleBytes + memory->bytes() > kMaxCachedBytes) return;  // freed here
     idleBytes += memory->bytes();
-    const uint64_t bytes = memory->bytes();
-    idle.emplace(bytes, std::move(memory));
+    idle[memory->bytes()].push_back(std::move(memory));
   }
 
-  // The smallest idle buffer that holds `bytes` without wasting more than as much again.
-  std::unique_ptr<cuda::PinnedMemory> reuse(uint64_t bytes) {
+  std::unique_ptr<cuda::PinnedMemory> reuse(uint64_t size) {
     std::lock_guard<std::mutex> lock(mutex);
-    auto it = idle.lower_bound(bytes);
-    if (it == idle.end() || it->first > 2 * bytes) return nullptr;
-    std::unique_ptr<cuda::PinnedMemory> memory = std::move(it->second);
-    idle.erase(it);
+    auto it = idle.find(size);
+    if (it == idle.end() || it->second.empty()) return nullptr;
+    std::unique_ptr<cuda::PinnedMemory> memory = std::move(it->second.back());
+    it->second.pop_back();
     idleBytes -= memory->bytes();
     return memory;
   }
@@ -45,11 +50,9 @@ struct HostStaging::Cache {
 HostStaging::HostStaging() : cache_(std::make_shared<Cache>()) {}
 
 std::shared_ptr<cuda::PinnedMemory> HostStaging::take(int device, uint64_t bytes) {
-  std::unique_ptr<cuda::PinnedMemory> memory = cache_->reuse(bytes);
-  if (!memory) {
-    const uint64_t rounded = (bytes + kGranule - 1) / kGranule * kGranule;
-    memory = std::make_unique<cuda::PinnedMemory>(device, rounded);
-  }
+  const uint64_t size = sizeClass(bytes);
+  std::unique_ptr<cuda::PinnedMemory> memory = cache_->reuse(size);
+  if (!memory) memory = std::make_unique<cuda::PinnedMemory>(device, size);
   std::weak_ptr<Cache> cache = cache_;
   return std::shared_ptr<cuda::PinnedMemory>(
       memory.release(), [cache](cuda::PinnedMemory* released) {

@@ -22,8 +22,8 @@ class HostStaging {
   HostStaging(const HostStaging&) = delete;
   HostStaging& operator=(const HostStaging&) = delete;
 
-  // Host memory of at least `bytes`, allocated in `device`'s context when the cache has none;
-  // it goes back to the cache when its last holder drops it.
+  // Host memory of at least `bytes`, allocated in `device`'s context when the cache has none
+  // of its size class; it goes back to the cache when its last holder drops it.
   std::shared_ptr<cuda::PinnedMemory> take(int device, uint64_t bytes);
   // Queue the copy of the buffer's bytes on the device's stream for that direction; the
   // returned event is recorded after it.
