@@ -3,6 +3,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 namespace smfree::engine {
 
@@ -21,6 +22,8 @@ struct Config {
   // How long the progress thread polls after its last event before it sleeps, and how long a
   // CUDA work.wait() polls for the partner's post before it naps.
   std::chrono::microseconds spin;
+  // Why `spin` is not its usual default, for the engine to log; empty otherwise.
+  std::string spinNote;
   // UCX keepalive interval, so a dead peer fails pending ops quickly; UCX_KEEPALIVE_INTERVAL wins.
   std::chrono::milliseconds peerCheck;
   // Most CUDA IPC mappings of peers' buffers kept open at once.

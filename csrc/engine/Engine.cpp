@@ -102,6 +102,7 @@ Engine::Engine(Private)
       });
   progress_ = std::thread([this] { run(); });
   log(LogLevel::kInfo, "engine started on host ", local_.hostname);
+  if (!config_.spinNote.empty()) log(LogLevel::kInfo, config_.spinNote);
 }
 
 Engine::~Engine() {

@@ -1,0 +1,36 @@
+"""Defaults the engine chooses from its environment, seen in its info log."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ONE_RANK = """
+import tempfile, torch.distributed as dist, smfree_pg
+with tempfile.TemporaryDirectory() as tmp:
+    dist.init_process_group("smfree", init_method=f"file://{tmp}/store", rank=0, world_size=1)
+    dist.destroy_process_group()
+"""
+SPIN_NOTE = "the progress thread sleeps between events instead of spinning"
+
+
+def engine_log(**env):
+    result = subprocess.run([sys.executable, "-c", ONE_RANK], capture_output=True, text=True,
+                            timeout=120, env=dict(os.environ, SMFREE_LOG_LEVEL="info", **env))
+    assert result.returncode == 0, result.stderr
+    assert "engine started" in result.stderr, result.stderr
+    return result.stderr
+
+
+def test_no_spinning_where_the_hosts_ranks_outnumber_its_cpus():
+    cpus = len(os.sched_getaffinity(0))
+    log = engine_log(LOCAL_WORLD_SIZE=str(cpus + 1))
+    assert (f"SMFREE_SPIN_US unset and {cpus + 1} ranks on this host (LOCAL_WORLD_SIZE) share "
+            f"{cpus} CPUs: {SPIN_NOTE}") in log, log
+
+
+@pytest.mark.parametrize("env", [{"LOCAL_WORLD_SIZE": "1"},
+                                 {"LOCAL_WORLD_SIZE": "100000", "SMFREE_SPIN_US": "10000"}])
+def test_spinning_where_each_rank_has_a_cpu_or_the_user_chose(env):
+    assert SPIN_NOTE not in engine_log(**env)
