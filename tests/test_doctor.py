@@ -32,3 +32,17 @@ def test_text_report_explains_shared_hardware_queues():
     assert ("CUDA_DEVICE_MAX_CONNECTIONS=1: streams share hardware queues; smfree's stream waits "
             "are only for work already submitted, so this is safe") in result.stdout
     assert "SMFREE_LOG_LEVEL=info" in result.stdout
+
+
+def test_text_report_says_how_cuda_tensors_reach_other_hosts():
+    ucx = json.loads(doctor("--json").stdout)["ucx"]
+    result = doctor()
+    assert result.returncode == 0, result.stderr
+    line = next(text for text in result.stdout.splitlines()
+                if text.startswith("CUDA tensors to other hosts: "))
+    if any(r.split("/")[0].startswith(("rc", "dc", "ud")) for r in ucx["resources"]):
+        assert "UCX over RDMA (" in line
+    elif tuple(int(part) for part in ucx["version"].split(".")[:2]) < (1, 14):
+        assert "UCX has only TCP here" in line and "unstaged" in line
+    else:
+        assert "UCX has only TCP here, so smfree stages them through pinned host memory" in line

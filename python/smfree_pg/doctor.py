@@ -18,6 +18,8 @@ import smfree_pg
 
 SETTINGS_PREFIXES = ("SMFREE_", "UCX_TLS", "UCX_NET_DEVICES", "CUDA_DEVICE_MAX_CONNECTIONS",
                      "CUDA_VISIBLE_DEVICES", "PYTORCH_CUDA_ALLOC_CONF")
+# UCX's RDMA transports (InfiniBand, RoCE); everything else across hosts is TCP.
+RDMA = ("rc", "dc", "ud")
 
 
 def collect() -> dict:
@@ -48,6 +50,7 @@ def render(report: dict) -> str:
     else:
         lines.append(f"UCX {ucx['version']}: {len(ucx['resources'])} transports")
         lines += [f"  {resource}" for resource in ucx["resources"]]
+        lines.append(_other_hosts(ucx))
     scope = report["ptrace_scope"]
     if scope not in (None, "0"):
         lines.append(f"kernel.yama.ptrace_scope = {scope}: UCX's CMA and smfree's flag segments "
@@ -70,6 +73,22 @@ def render(report: dict) -> str:
     lines.append("settings: " + (", ".join(f"{k}={v}" for k, v in report["settings"].items())
                                  or "none"))
     return "\n".join(lines)
+
+
+def _other_hosts(ucx: dict) -> str:
+    """How CUDA tensors would reach ranks on other hosts, from the network transports here."""
+    transports = {resource.split("/")[0] for resource in ucx["resources"]}
+    rdma = sorted(t for t in transports if t.startswith(RDMA))
+    if rdma:
+        return (f"CUDA tensors to other hosts: UCX over RDMA ({', '.join(rdma)}); it reads GPU "
+                "memory directly where nvidia-peermem or DMA-BUF is available")
+    version = tuple(int(part) for part in ucx["version"].split(".")[:2])
+    if version < (1, 14):
+        return ("CUDA tensors to other hosts: UCX has only TCP here, and UCX before 1.14 cannot "
+                "list an endpoint's transports, so smfree hands them to UCX unstaged (slower; "
+                "README, Design: \"CUDA over TCP\")")
+    return ("CUDA tensors to other hosts: UCX has only TCP here, so smfree stages them through "
+            "pinned host memory (README, Design: \"CUDA over TCP\")")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,8 +12,8 @@ namespace smfree::engine {
 
 // Moves bytes with UCX tag send/recv straight between the users' buffers, host or CUDA. The
 // receiver posts its recv under a tag it owns (its op id) before it clears the sender, so the
-// data never lands in UCX's unexpected queue; the exception is a CUDA recv whose stream has
-// not reached it yet, posted once it has (its sender may be cleared before).
+// data never lands in UCX's unexpected queue; the exception is an unstaged CUDA recv whose
+// stream has not reached it yet, posted once it has (its sender may be cleared before).
 //
 // UCX is not stream-aware: a CUDA op waits, here, for its `streamReady` flag (written by the
 // caller's stream) before UCX may touch the buffer. Completion reaches the caller through its
