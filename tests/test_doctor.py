@@ -7,6 +7,8 @@ import sys
 
 import torch
 
+from smfree_pg.doctor import RDMA
+
 
 def doctor(*args, env=None):
     return subprocess.run([sys.executable, "-m", "smfree_pg.doctor", *args], capture_output=True,
@@ -40,7 +42,7 @@ def test_text_report_says_how_cuda_tensors_reach_other_hosts():
     assert result.returncode == 0, result.stderr
     line = next(text for text in result.stdout.splitlines()
                 if text.startswith("CUDA tensors to other hosts: "))
-    if any(r.split("/")[0].startswith(("rc", "dc", "ud")) for r in ucx["resources"]):
+    if any(r.split("/")[0].startswith(RDMA) for r in ucx["resources"]):
         assert "UCX over RDMA (" in line
     elif tuple(int(part) for part in ucx["version"].split(".")[:2]) < (1, 14):
         assert "UCX has only TCP here" in line and "unstaged" in line

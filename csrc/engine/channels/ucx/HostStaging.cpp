@@ -65,35 +65,33 @@ cuda::Stream& HostStaging::streamOf(Streams& streams, int device, const char* di
   auto& stream = streams[device];
   if (!stream) {
     stream = std::make_unique<cuda::Stream>(device);
-    log(LogLevel::kInfo, "host staging stream for cuda:", device, " (", direction, ")");
+    log(LogLevel::kInfo, "stream for cuda:", device, " (", direction, ")");
   }
   return *stream;
 }
 
-std::shared_ptr<cuda::Event> HostStaging::copyToHost(const Buffer& from,
-                                                     const cuda::PinnedMemory& to) {
-  const cuda::Stream& stream = streamOf(toHost_, from.device, "to host");
-  cuda::ContextGuard context(from.device);
-  cuda::check(cuda::driver().cuMemcpyAsync(reinterpret_cast<CUdeviceptr>(to.data()),
-                                           reinterpret_cast<CUdeviceptr>(from.data),
-                                           from.bytes, stream.handle()),
-              "cuMemcpyAsync (device to host staging)");
-  std::shared_ptr<cuda::Event> copied = cuda::takeEvent(from.device);
+std::shared_ptr<cuda::Event> HostStaging::copy(Streams& streams, int device, const char* direction,
+                                               const void* to, const void* from,
+                                               uint64_t bytes) {
+  const cuda::Stream& stream = streamOf(streams, device, direction);
+  cuda::ContextGuard context(device);
+  cuda::check(cuda::driver().cuMemcpyAsync(reinterpret_cast<CUdeviceptr>(to),
+                                           reinterpret_cast<CUdeviceptr>(from), bytes,
+                                           stream.handle()),
+              concat("cuMemcpyAsync (", direction, ")").c_str());
+  std::shared_ptr<cuda::Event> copied = cuda::takeEvent(device);
   copied->record(stream.handle());
   return copied;
 }
 
+std::shared_ptr<cuda::Event> HostStaging::copyToHost(const Buffer& from,
+                                                     const cuda::PinnedMemory& to) {
+  return copy(toHost_, from.device, "device to host staging", to.data(), from.data, from.bytes);
+}
+
 std::shared_ptr<cuda::Event> HostStaging::copyToDevice(const cuda::PinnedMemory& from,
                                                        const Buffer& to) {
-  const cuda::Stream& stream = streamOf(toDevice_, to.device, "to device");
-  cuda::ContextGuard context(to.device);
-  cuda::check(cuda::driver().cuMemcpyAsync(reinterpret_cast<CUdeviceptr>(to.data),
-                                           reinterpret_cast<CUdeviceptr>(from.data()),
-                                           to.bytes, stream.handle()),
-              "cuMemcpyAsync (host staging to device)");
-  std::shared_ptr<cuda::Event> copied = cuda::takeEvent(to.device);
-  copied->record(stream.handle());
-  return copied;
+  return copy(toDevice_, to.device, "host staging to device", to.data, from.data(), to.bytes);
 }
 
 uint64_t HostStaging::cachedBytes() const {

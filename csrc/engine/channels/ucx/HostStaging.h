@@ -35,6 +35,9 @@ class HostStaging {
   struct Cache;
   using Streams = std::map<int, std::unique_ptr<cuda::Stream>>;
   cuda::Stream& streamOf(Streams& streams, int device, const char* direction);
+  // Queues `bytes` from `from` to `to` on the device's stream in `streams`.
+  std::shared_ptr<cuda::Event> copy(Streams& streams, int device, const char* direction,
+                                    const void* to, const void* from, uint64_t bytes);
 
   std::shared_ptr<Cache> cache_;
   // After cache_, so they are destroyed first: a stream waits for its copies when it goes.

@@ -62,7 +62,13 @@ bool UcxChannel::streamReached(const Op& op) const {
 bool UcxChannel::stagesThroughHost(const Op& op, Peer& peer) {
   const Buffer& buffer = op.request.buffer;
   if (buffer.memory != MemoryKind::kCuda || buffer.bytes == 0 || !peer.endpoint) return false;
-  const auto& transports = peer.endpoint->transports();
+  auto [decision, first] = stagingDecisions_.try_emplace(&peer, false);
+  if (first) decision->second = onlyTcpToward(peer);
+  return decision->second;
+}
+
+bool UcxChannel::onlyTcpToward(const Peer& peer) const {
+  const auto transports = peer.endpoint->transports();
   if (!transports) {
     logOnce("ucx-transports-unknown",
             "this UCX cannot list an endpoint's transports (UCX < 1.14): CUDA tensors go to "
@@ -76,10 +82,9 @@ bool UcxChannel::stagesThroughHost(const Op& op, Peer& peer) {
     names += (names.empty() ? "" : ", ") + transport;
   }
   if (tcpOnly) {
-    logOnce("ucx-host-staging " + peer.address.processKey,
-            concat("UCX reaches ", peer.describe(), " over TCP only (", names,
-                   "), where it copies CUDA memory in small pieces: CUDA tensors to and from it "
-                   "go through pinned host memory, copied by copy engines"));
+    log(LogLevel::kInfo, "UCX reaches ", peer.describe(), " over TCP only (", names,
+        "), where it copies CUDA memory in small pieces: CUDA tensors to and from it go through "
+        "pinned host memory, copied by copy engines");
   }
   return tcpOnly;
 }

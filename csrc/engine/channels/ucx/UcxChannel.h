@@ -1,6 +1,7 @@
 #pragma once
 
 #include <memory>
+#include <unordered_map>
 #include <vector>
 
 #include "engine/Channel.h"
@@ -61,7 +62,9 @@ class UcxChannel final : public Channel {
                          void* userData);
   bool streamReached(const Op& op) const;
   // Whether the op's bytes go through host memory: a CUDA op toward a peer reached by TCP only.
+  // Decided, and logged, once per peer.
   bool stagesThroughHost(const Op& op, Peer& peer);
+  bool onlyTcpToward(const Peer& peer) const;
   void postRecv(const std::shared_ptr<Op>& recv, ucp_tag_t tag,
                 std::shared_ptr<cuda::PinnedMemory> host);
   void postSend(const std::shared_ptr<Op>& send, Peer& destination, ucp_tag_t tag);
@@ -84,6 +87,7 @@ class UcxChannel final : public Channel {
   std::vector<Waiting> waiting_;
   HostStaging staging_;
   std::vector<Staged> staged_;
+  std::unordered_map<const Peer*, bool> stagingDecisions_;  // peers live as long as the engine
   int cudaDevice_ = -1;
   uint64_t hostStagedSends_ = 0;
   uint64_t hostStagedRecvs_ = 0;

@@ -40,9 +40,8 @@ UcxEndpoint::~UcxEndpoint() {
   ucp_request_free(request);
 }
 
-const std::optional<std::vector<std::string>>& UcxEndpoint::transports() {
-  if (queried_) return transports_;
-  queried_ = true;
+std::optional<std::vector<std::string>> UcxEndpoint::transports() const {
+  std::optional<std::vector<std::string>> names;
 #if UCP_API_VERSION >= UCP_VERSION(1, 14)
   std::vector<ucp_transport_entry_t> entries(16);
   ucp_ep_attr_t attributes{};
@@ -51,13 +50,13 @@ const std::optional<std::vector<std::string>>& UcxEndpoint::transports() {
   attributes.transports.num_entries = static_cast<unsigned>(entries.size());
   attributes.transports.entry_size = sizeof(ucp_transport_entry_t);
   if (ucp_ep_query(endpoint_, &attributes) == UCS_OK) {
-    transports_.emplace();
+    names.emplace();
     for (unsigned i = 0; i < attributes.transports.num_entries; ++i) {
-      transports_->push_back(concat(entries[i].transport_name, "/", entries[i].device_name));
+      names->push_back(concat(entries[i].transport_name, "/", entries[i].device_name));
     }
   }
 #endif
-  return transports_;
+  return names;
 }
 
 void UcxEndpoint::onError(void* self, ucp_ep_h, ucs_status_t status) {

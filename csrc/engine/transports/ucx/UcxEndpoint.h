@@ -28,8 +28,9 @@ class UcxEndpoint {
 
   ucp_ep_h handle() const { return endpoint_; }
   // The transports UCX moves data with toward the peer, as "tcp/eth0"; none where this UCX
-  // cannot tell (before 1.14). Asked once, on first use, when the lanes are settled.
-  const std::optional<std::vector<std::string>>& transports();
+  // cannot tell (before 1.14) or the query fails. Ask once the lanes are settled (after the
+  // first message).
+  std::optional<std::vector<std::string>> transports() const;
   void peerGone() { forceClose_ = true; }
 
  private:
@@ -38,8 +39,6 @@ class UcxEndpoint {
   ucp_worker_h worker_;
   ucp_ep_h endpoint_ = nullptr;
   bool forceClose_;
-  bool queried_ = false;
-  std::optional<std::vector<std::string>> transports_;
   ErrorHandler onError_;
 };
 
