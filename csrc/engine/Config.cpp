@@ -90,6 +90,8 @@ Config Config::fromEnv() {
   config.transport = parseTransport(std::getenv("SMFREE_TRANSPORT"));
   config.stagingBytes =
       static_cast<uint64_t>(parseNonNegative("SMFREE_STAGING_BYTES", 16 << 20));
+  config.hostStagingPieceBytes =
+      static_cast<uint64_t>(parseNonNegative("SMFREE_HOST_STAGING_PIECE_BYTES", 4 << 20));
   return config;
 }
 

@@ -34,6 +34,9 @@ struct Config {
   // Largest send that may be staged in the receiver's memory (SMFREE_STAGING_BYTES): the
   // size of each slot of a staging ring; 0 turns staging off.
   uint64_t stagingBytes;
+  // Size of the pieces in which CUDA tensors cross pinned host memory toward peers UCX reaches
+  // over TCP only (SMFREE_HOST_STAGING_PIECE_BYTES); 0 moves each tensor in one piece.
+  uint64_t hostStagingPieceBytes;
 
   static Config fromEnv();
 };

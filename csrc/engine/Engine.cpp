@@ -91,9 +91,8 @@ Engine::Engine(Private)
   control_ = std::make_unique<UcxControl>(
       *worker_, [this](const void* data, size_t length) { onControlMessage(data, length); });
   ucxChannel_ = std::make_unique<UcxChannel>(
-      *worker_, *flags_, [this](const std::shared_ptr<Op>& op, const Status& status) {
-        onTransferDone(op, status);
-      });
+      *worker_, *flags_, config_.hostStagingPieceBytes,
+      [this](const std::shared_ptr<Op>& op, const Status& status) { onTransferDone(op, status); });
   copyEngine_ = std::make_unique<CopyEngineChannel>(
       *flags_, config_.ipcCacheSize, config_.stagingBytes,
       [this](const std::shared_ptr<Op>& op, const Status& status) { onTransferDone(op, status); },

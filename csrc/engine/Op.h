@@ -64,7 +64,6 @@ struct Op {
   int source = -1;         // recv: the rank it was matched with
   int outstanding = 0;     // transport requests that still reference the buffer
   bool released = false;
-  void* transportRequest = nullptr;
   std::optional<CudaOpState> cuda;  // a CUDA op on the copy engines
   // A CUDA op over UCX: written by the caller's stream once the work queued before the op is
   // done; UCX touches the buffer only after that.

@@ -85,13 +85,19 @@ std::shared_ptr<cuda::Event> HostStaging::copy(Streams& streams, int device, con
 }
 
 std::shared_ptr<cuda::Event> HostStaging::copyToHost(const Buffer& from,
-                                                     const cuda::PinnedMemory& to) {
-  return copy(toHost_, from.device, "device to host staging", to.data(), from.data, from.bytes);
+                                                     const cuda::PinnedMemory& to,
+                                                     uint64_t offset, uint64_t bytes) {
+  return copy(toHost_, from.device, "device to host staging",
+              static_cast<char*>(to.data()) + offset, static_cast<char*>(from.data) + offset,
+              bytes);
 }
 
 std::shared_ptr<cuda::Event> HostStaging::copyToDevice(const cuda::PinnedMemory& from,
-                                                       const Buffer& to) {
-  return copy(toDevice_, to.device, "host staging to device", to.data, from.data(), to.bytes);
+                                                       const Buffer& to, uint64_t offset,
+                                                       uint64_t bytes) {
+  return copy(toDevice_, to.device, "host staging to device",
+              static_cast<char*>(to.data) + offset, static_cast<char*>(from.data()) + offset,
+              bytes);
 }
 
 uint64_t HostStaging::cachedBytes() const {

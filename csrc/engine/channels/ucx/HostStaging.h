@@ -25,10 +25,13 @@ class HostStaging {
   // Host memory of at least `bytes`, allocated in `device`'s context when the cache has none
   // of its size class; it goes back to the cache when its last holder drops it.
   std::shared_ptr<cuda::PinnedMemory> take(int device, uint64_t bytes);
-  // Queue the copy of the buffer's bytes on the device's stream for that direction; the
-  // returned event is recorded after it.
-  std::shared_ptr<cuda::Event> copyToHost(const Buffer& from, const cuda::PinnedMemory& to);
-  std::shared_ptr<cuda::Event> copyToDevice(const cuda::PinnedMemory& from, const Buffer& to);
+  // Queue the copy of `bytes` at `offset` of the buffer to the same offset of the host memory
+  // (or back) on the device's stream for that direction; the returned event is recorded
+  // after it.
+  std::shared_ptr<cuda::Event> copyToHost(const Buffer& from, const cuda::PinnedMemory& to,
+                                          uint64_t offset, uint64_t bytes);
+  std::shared_ptr<cuda::Event> copyToDevice(const cuda::PinnedMemory& from, const Buffer& to,
+                                            uint64_t offset, uint64_t bytes);
   uint64_t cachedBytes() const;
 
  private:

@@ -1,5 +1,6 @@
 #include "engine/channels/ucx/UcxChannel.h"
 
+#include <algorithm>
 #include <cstring>
 #include <optional>
 
@@ -9,18 +10,21 @@
 #include "engine/cuda/CudaDriver.h"
 
 namespace smfree::engine {
-
-struct UcxChannel::Transfer {
-  UcxChannel* channel;
-  std::shared_ptr<Op> op;
-  std::shared_ptr<cuda::PinnedMemory> host;  // what UCX moves instead of a staged op's buffer
-  // Set while the posting call runs: UCX may complete the request inside that call.
-  bool* finishedWhilePosting = nullptr;
-};
-
 namespace {
 
 constexpr ucp_tag_t kFullMask = ~ucp_tag_t{0};
+// A recv's pieces travel under consecutive tags: its op id shifted left by this, plus the
+// piece's index.
+constexpr unsigned kPieceBits = 20;
+constexpr uint64_t kMostPieces = uint64_t{1} << kPieceBits;
+
+enum class PieceState : uint8_t {
+  kWaiting,  // not yet touched
+  kCopying,  // staged: its copy out (send) or in (recv) is queued
+  kInUcx,    // a UCX request moves it
+  kLanded,   // staged recv: in host memory, not yet copied in
+  kDone,
+};
 
 ucs_memory_type_t memoryType(const Buffer& buffer) {
   return buffer.memory == MemoryKind::kCuda ? UCS_MEMORY_TYPE_CUDA : UCS_MEMORY_TYPE_HOST;
@@ -35,25 +39,57 @@ Status transportFailure(const Op& op, ucs_status_t status) {
                          concat("UCX failed ", op.describe(), ": ", ucxStatusText(status)));
 }
 
-// UCX's CUDA transports work in the current context: the buffer's device's primary one.
-void enterContextOf(const Buffer& buffer, std::optional<cuda::ContextGuard>& context) {
-  if (buffer.memory == MemoryKind::kCuda) context.emplace(buffer.device);
+Status copyFailure(const Op& op, const Error& error) {
+  return Status::failure(StatusCode::kTransport, concat(op.describe(), ": ", error.what()));
 }
 
 }  // namespace
 
-UcxChannel::UcxChannel(UcxWorker& worker, const cuda::FlagSegment& flags, Done onDone)
-    : worker_(worker), flags_(flags), onDone_(std::move(onDone)) {}
+// One op's bytes in this channel, from the clear-to-send (or arming) until no UCX request or
+// copy touches its buffer.
+struct UcxChannel::Movement {
+  std::shared_ptr<Op> op;
+  Peer* destination = nullptr;  // null for a recv
+  ucp_tag_t tag = 0;            // piece i travels under tag + i
+  uint64_t pieceBytes = 0;      // 0: one piece
+  bool staged = false;
+  bool started = false;  // pieces posted, or (staged send) their copies queued
+  std::shared_ptr<cuda::PinnedMemory> host;  // staged: what UCX moves instead of the buffer
+  std::vector<PieceState> pieces;
+  std::vector<std::shared_ptr<cuda::Event>> copies;  // staged: each piece's copy, while queued
+  std::vector<void*> requests;                       // UCX requests not yet completed
+  uint32_t nextToTransmit = 0;                       // staged send: pieces go out in order
+  uint32_t done = 0;
+  std::optional<Status> failure;
+  bool cancelled = false;  // its requests were cancelled after the failure
 
-ucp_request_param_t UcxChannel::requestParams(Transfer& transfer) const {
-  ucp_request_param_t params{};
-  params.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
-                        UCP_OP_ATTR_FIELD_MEMORY_TYPE | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
-  params.user_data = &transfer;
-  params.memory_type =
-      transfer.host ? UCS_MEMORY_TYPE_HOST : memoryType(transfer.op->request.buffer);
-  return params;
-}
+  bool isSend() const { return destination != nullptr; }
+  uint64_t offsetOf(uint32_t piece) const { return piece * pieceBytes; }
+  uint64_t bytesOf(uint32_t piece) const {
+    const uint64_t total = op->request.buffer.bytes;
+    return pieceBytes == 0 ? total : std::min(pieceBytes, total - offsetOf(piece));
+  }
+  bool copyPending() const {
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      if (pieces[i] == PieceState::kCopying && !copies[i]->reached()) return true;
+    }
+    return false;
+  }
+};
+
+struct UcxChannel::Transfer {
+  UcxChannel* channel;
+  Movement* movement;  // lives until its last request completes
+  uint32_t piece;
+  // Set while the posting call runs: UCX may complete the request inside that call.
+  bool* finishedWhilePosting = nullptr;
+};
+
+UcxChannel::UcxChannel(UcxWorker& worker, const cuda::FlagSegment& flags, uint64_t pieceBytes,
+                       Done onDone)
+    : worker_(worker), flags_(flags), pieceBytes_(pieceBytes), onDone_(std::move(onDone)) {}
+
+UcxChannel::~UcxChannel() = default;
 
 bool UcxChannel::streamReached(const Op& op) const {
   return !op.streamReady || flags_.isSet(*op.streamReady);
@@ -89,231 +125,303 @@ bool UcxChannel::onlyTcpToward(const Peer& peer) const {
   return tcpOnly;
 }
 
+UcxChannel::Movement& UcxChannel::track(const std::shared_ptr<Op>& op, Peer* destination,
+                                        ucp_tag_t tag, uint64_t pieceBytes) {
+  auto movement = std::make_unique<Movement>();
+  movement->op = op;
+  movement->destination = destination;
+  movement->tag = tag;
+  movement->pieceBytes = pieceBytes;
+  const uint64_t bytes = op->request.buffer.bytes;
+  const uint64_t count = pieceBytes == 0 ? 1 : (bytes + pieceBytes - 1) / pieceBytes;
+  movement->pieces.assign(count, PieceState::kWaiting);
+  movement->copies.resize(count);
+  ++op->outstanding;  // the buffer is the channel's until the movement ends
+  Movement& tracked = *movement;
+  movements_[op->id] = std::move(movement);
+  return tracked;
+}
+
 std::string UcxChannel::armRecv(const std::shared_ptr<Op>& recv, Peer& source) {
-  const ucp_tag_t tag = recv->id;
-  if (stagesThroughHost(*recv, source)) {
-    const Buffer& buffer = recv->request.buffer;
-    postRecv(recv, tag, staging_.take(buffer.device, buffer.bytes));
-  } else if (streamReached(*recv)) {
-    postRecv(recv, tag, nullptr);
-  } else {
-    ++recv->outstanding;  // the buffer is promised to UCX
-    waiting_.push_back(Waiting{recv, nullptr, tag});
+  const bool staged = stagesThroughHost(*recv, source);
+  const uint64_t bytes = recv->request.buffer.bytes;
+  uint64_t pieceBytes = 0;
+  if (staged && pieceBytes_ != 0 && bytes > pieceBytes_) {
+    pieceBytes = std::max(pieceBytes_, (bytes + kMostPieces - 1) / kMostPieces);
   }
-  std::string channelData(sizeof(tag), '\0');
+  const ucp_tag_t tag = recv->id << kPieceBits;
+  Movement& movement = track(recv, nullptr, tag, pieceBytes);
+  movement.staged = staged;
+  if (staged) {
+    movement.host = staging_.take(recv->request.buffer.device, bytes);
+    ++hostStagedRecvs_;
+  }
+  // A staged recv lands in host memory, free to take the bytes before the stream reaches it.
+  if (staged || streamReached(*recv)) {
+    movement.started = true;
+    for (uint32_t piece = 0; piece < movement.pieces.size() && !movement.failure; ++piece) {
+      postPiece(movement, piece);
+    }
+    if (movement.failure) fail(movement.failure->message);  // it ends in progress()
+  }
+  std::string channelData(sizeof(tag) + sizeof(pieceBytes), '\0');
   std::memcpy(channelData.data(), &tag, sizeof(tag));
+  std::memcpy(channelData.data() + sizeof(tag), &pieceBytes, sizeof(pieceBytes));
   return channelData;
-}
-
-template <typename Call>
-ucs_status_t UcxChannel::post(const std::shared_ptr<Op>& op,
-                              std::shared_ptr<cuda::PinnedMemory> host, Call&& call) {
-  auto transfer = std::make_unique<Transfer>(Transfer{this, op, std::move(host)});
-  bool finishedWhilePosting = false;
-  transfer->finishedWhilePosting = &finishedWhilePosting;
-  ucp_request_param_t params = requestParams(*transfer);
-  std::optional<cuda::ContextGuard> context;
-  if (!transfer->host) enterContextOf(op->request.buffer, context);
-  if (context) cudaDevice_ = op->request.buffer.device;
-  ++op->outstanding;  // before the call, which may already run the completion callback
-  Transfer* owned = transfer.release();  // owned by the request until its callback
-  void* request = call(params);
-  if (UCS_PTR_IS_ERR(request)) {
-    std::unique_ptr<Transfer> back(owned);  // no callback will come
-    --op->outstanding;
-    return UCS_PTR_STATUS(request);
-  }
-  if (!finishedWhilePosting) {
-    owned->finishedWhilePosting = nullptr;
-    op->transportRequest = request;
-  }
-  return UCS_OK;
-}
-
-void UcxChannel::postRecv(const std::shared_ptr<Op>& recv, ucp_tag_t tag,
-                          std::shared_ptr<cuda::PinnedMemory> host) {
-  void* data = host ? host->data() : recv->request.buffer.data;
-  const ucs_status_t status = post(recv, std::move(host), [&](ucp_request_param_t& params) {
-    params.cb.recv = &UcxChannel::onReceived;
-    return ucp_tag_recv_nbx(worker_.handle(), data, recv->request.buffer.bytes, tag, kFullMask,
-                            &params);
-  });
-  if (status != UCS_OK) {
-    fail("UCX could not post ", recv->describe(), ": ", ucxStatusText(status));
-  }
 }
 
 void UcxChannel::startSend(const std::shared_ptr<Op>& send, Peer& destination,
                            const std::string& channelData) {
   ucp_tag_t tag = 0;
-  if (channelData.size() != sizeof(tag)) {
+  uint64_t pieceBytes = 0;
+  const uint64_t bytes = send->request.buffer.bytes;
+  if (channelData.size() != sizeof(tag) + sizeof(pieceBytes)) {
     onDone_(send, Status::failure(StatusCode::kTransport,
                                   concat("malformed clear-to-send for ", send->describe())));
     return;
   }
   std::memcpy(&tag, channelData.data(), sizeof(tag));
-  if (streamReached(*send)) {
-    postSend(send, destination, tag);
-  } else {
-    ++send->outstanding;  // the buffer is promised to UCX
-    waiting_.push_back(Waiting{send, &destination, tag});
+  std::memcpy(&pieceBytes, channelData.data() + sizeof(tag), sizeof(pieceBytes));
+  if (pieceBytes != 0 && (bytes + pieceBytes - 1) / pieceBytes > kMostPieces) {
+    onDone_(send, Status::failure(StatusCode::kTransport,
+                                  concat("clear-to-send for ", send->describe(), " asks for ",
+                                         pieceBytes, " B pieces, too many")));
+    return;
   }
+  Movement& movement = track(send, &destination, tag, pieceBytes);
+  movement.staged = stagesThroughHost(*send, destination);
+  startOnceStreamReached(movement);
 }
 
-void UcxChannel::postSend(const std::shared_ptr<Op>& send, Peer& destination, ucp_tag_t tag) {
-  if (stagesThroughHost(*send, destination)) {
-    copyOut(send, destination, tag);
-  } else {
-    transmit(send, destination, tag, nullptr);
+bool UcxChannel::startOnceStreamReached(Movement& movement) {
+  if (!streamReached(*movement.op)) return false;
+  movement.started = true;
+  if (movement.staged && movement.isSend()) {
+    copyOut(movement);
+    return true;
   }
+  for (uint32_t piece = 0; piece < movement.pieces.size() && !movement.failure; ++piece) {
+    postPiece(movement, piece);
+  }
+  return true;
 }
 
-void UcxChannel::transmit(const std::shared_ptr<Op>& send, Peer& destination, ucp_tag_t tag,
-                          std::shared_ptr<cuda::PinnedMemory> host) {
-  const void* data = host ? host->data() : send->request.buffer.data;
-  const ucs_status_t status = post(send, std::move(host), [&](ucp_request_param_t& params) {
-    params.cb.send = &UcxChannel::onSent;
-    return ucp_tag_send_nbx(destination.endpoint->handle(), data, send->request.buffer.bytes,
-                            tag, &params);
-  });
-  if (status != UCS_OK) {
-    onDone_(send, transportFailure(*send, status));
-  }
-}
-
-void UcxChannel::copyOut(const std::shared_ptr<Op>& send, Peer& destination, ucp_tag_t tag) {
-  const Buffer& buffer = send->request.buffer;
+void UcxChannel::copyOut(Movement& movement) {
+  const Buffer& buffer = movement.op->request.buffer;
   try {
-    std::shared_ptr<cuda::PinnedMemory> host = staging_.take(buffer.device, buffer.bytes);
-    std::shared_ptr<cuda::Event> copied = staging_.copyToHost(buffer, *host);
-    ++send->outstanding;  // the copy reads the buffer
-    staged_.push_back(Staged{send, std::move(host), std::move(copied), &destination, tag});
+    movement.host = staging_.take(buffer.device, buffer.bytes);
+    for (uint32_t piece = 0; piece < movement.pieces.size(); ++piece) {
+      movement.copies[piece] = staging_.copyToHost(buffer, *movement.host,
+                                                   movement.offsetOf(piece),
+                                                   movement.bytesOf(piece));
+      movement.pieces[piece] = PieceState::kCopying;
+    }
     ++hostStagedSends_;
   } catch (const Error& error) {
-    onDone_(send, Status::failure(StatusCode::kTransport,
-                                  concat(send->describe(), ": ", error.what())));
+    movement.failure = copyFailure(*movement.op, error);
+  }
+}
+
+void UcxChannel::postPiece(Movement& movement, uint32_t piece) {
+  const Op& op = *movement.op;
+  const Buffer& buffer = op.request.buffer;
+  char* base = static_cast<char*>(movement.host ? movement.host->data() : buffer.data);
+  void* data = base + movement.offsetOf(piece);
+  const uint64_t bytes = movement.bytesOf(piece);
+  const ucp_tag_t tag = movement.tag + piece;
+
+  auto transfer = std::make_unique<Transfer>(Transfer{this, &movement, piece});
+  bool finishedWhilePosting = false;
+  transfer->finishedWhilePosting = &finishedWhilePosting;
+  ucp_request_param_t params{};
+  params.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                        UCP_OP_ATTR_FIELD_MEMORY_TYPE | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+  params.user_data = transfer.get();
+  params.memory_type = movement.host ? UCS_MEMORY_TYPE_HOST : memoryType(buffer);
+  // UCX's CUDA transports work in the current context: the buffer's device's primary one.
+  std::optional<cuda::ContextGuard> context;
+  if (!movement.host && buffer.memory == MemoryKind::kCuda) {
+    context.emplace(buffer.device);
+    cudaDevice_ = buffer.device;
+  }
+  movement.pieces[piece] = PieceState::kInUcx;  // before the call, which may complete it
+  Transfer* owned = transfer.release();         // owned by the request until its callback
+  void* request = nullptr;
+  if (movement.isSend()) {
+    params.cb.send = &UcxChannel::onSent;
+    request = ucp_tag_send_nbx(movement.destination->endpoint->handle(), data, bytes, tag,
+                               &params);
+  } else {
+    params.cb.recv = &UcxChannel::onReceived;
+    request = ucp_tag_recv_nbx(worker_.handle(), data, bytes, tag, kFullMask, &params);
+  }
+  if (UCS_PTR_IS_ERR(request)) {
+    std::unique_ptr<Transfer> back(owned);  // no callback will come
+    movement.pieces[piece] = PieceState::kWaiting;
+    movement.failure = Status::failure(
+        StatusCode::kTransport, concat("UCX could not post ", op.describe(), ": ",
+                                       ucxStatusText(UCS_PTR_STATUS(request))));
+    return;
+  }
+  if (!finishedWhilePosting) {
+    owned->finishedWhilePosting = nullptr;
+    movement.requests.push_back(request);
   }
 }
 
 bool UcxChannel::progress() {
-  const bool posted = advanceWaiting();
-  return advanceStaged() || posted;
+  bool changed = false;
+  std::vector<uint64_t> ended;
+  for (auto& [id, movement] : movements_) {
+    changed = advance(*movement) || changed;
+    if (this->ended(*movement)) ended.push_back(id);
+  }
+  for (const uint64_t id : ended) {
+    auto it = movements_.find(id);
+    std::unique_ptr<Movement> movement = std::move(it->second);
+    movements_.erase(it);
+    --movement->op->outstanding;
+    onDone_(movement->op, movement->failure ? *movement->failure : Status::success());
+    changed = true;
+  }
+  return changed;
 }
 
-bool UcxChannel::advanceWaiting() {
+bool UcxChannel::advance(Movement& movement) {
+  if (movement.op->finished() && !movement.failure) {
+    movement.failure = abandoned(*movement.op);  // timed out, or its peer failed
+  }
+  if (movement.failure) {
+    if (movement.cancelled) return false;
+    movement.cancelled = true;
+    // Cancelling may run callbacks, which take requests off the list.
+    const std::vector<void*> requests = movement.requests;
+    for (void* request : requests) ucp_request_cancel(worker_.handle(), request);
+    return true;
+  }
+  if (!movement.started) return startOnceStreamReached(movement);
+  if (!movement.staged) return false;
+  if (movement.isSend()) return transmitCopiedPieces(movement);
+  const bool copying = copyInLandedPieces(movement);
+  return countCopiedInPieces(movement) || copying;
+}
+
+bool UcxChannel::transmitCopiedPieces(Movement& movement) {
   bool posted = false;
-  for (size_t i = 0; i < waiting_.size();) {
-    if (!streamReached(*waiting_[i].op)) {
-      ++i;
-      continue;
-    }
-    Waiting ready = std::move(waiting_[i]);
-    waiting_.erase(waiting_.begin() + static_cast<std::ptrdiff_t>(i));
-    --ready.op->outstanding;
+  while (movement.nextToTransmit < movement.pieces.size() && !movement.failure) {
+    const uint32_t piece = movement.nextToTransmit;
+    if (!movement.copies[piece]->reached()) break;
+    movement.copies[piece].reset();
+    postPiece(movement, piece);
+    ++movement.nextToTransmit;
     posted = true;
-    if (ready.destination) {
-      postSend(ready.op, *ready.destination, ready.tag);
-      continue;
-    }
-    try {
-      postRecv(ready.op, ready.tag, nullptr);
-    } catch (const Error& error) {
-      onDone_(ready.op, Status::failure(StatusCode::kTransport, error.what()));
-    }
   }
   return posted;
 }
 
-bool UcxChannel::advanceStaged() {
-  bool advanced = false;
-  for (size_t i = 0; i < staged_.size();) {
-    Staged& staged = staged_[i];
-    const bool failed = staged.op->finished();
-    if (!staged.copied && !failed) {
-      // A landed recv: copied in once its stream no longer uses the buffer.
-      if (streamReached(*staged.op)) {
-        try {
-          staged.copied = staging_.copyToDevice(*staged.host, staged.op->request.buffer);
-          ++hostStagedRecvs_;
-          advanced = true;
-        } catch (const Error& error) {
-          std::shared_ptr<Op> op = std::move(staged.op);
-          staged_.erase(staged_.begin() + static_cast<std::ptrdiff_t>(i));
-          --op->outstanding;
-          onDone_(op, Status::failure(StatusCode::kTransport,
-                                      concat(op->describe(), ": ", error.what())));
-          continue;
-        }
-      }
-      ++i;
+bool UcxChannel::copyInLandedPieces(Movement& movement) {
+  const auto& pieces = movement.pieces;
+  if (std::find(pieces.begin(), pieces.end(), PieceState::kLanded) == pieces.end() ||
+      !streamReached(*movement.op)) {
+    return false;
+  }
+  const Buffer& buffer = movement.op->request.buffer;
+  for (uint32_t piece = 0; piece < pieces.size(); ++piece) {
+    if (pieces[piece] != PieceState::kLanded) continue;
+    try {
+      movement.copies[piece] = staging_.copyToDevice(*movement.host, buffer,
+                                                     movement.offsetOf(piece),
+                                                     movement.bytesOf(piece));
+    } catch (const Error& error) {
+      movement.failure = copyFailure(*movement.op, error);
+      break;
+    }
+    movement.pieces[piece] = PieceState::kCopying;
+  }
+  return true;
+}
+
+bool UcxChannel::countCopiedInPieces(Movement& movement) {
+  bool counted = false;
+  for (uint32_t piece = 0; piece < movement.pieces.size(); ++piece) {
+    if (movement.pieces[piece] != PieceState::kCopying || !movement.copies[piece]->reached()) {
       continue;
     }
-    if (staged.copied && !staged.copied->reached()) {
-      ++i;
-      continue;
-    }
-    Staged done = std::move(staged);
-    staged_.erase(staged_.begin() + static_cast<std::ptrdiff_t>(i));
-    --done.op->outstanding;
-    advanced = true;
-    if (failed) {
-      onDone_(done.op, abandoned(*done.op));  // releases it: its outcome is already told
-    } else if (done.destination) {
-      transmit(done.op, *done.destination, done.tag, std::move(done.host));
-    } else {
-      onDone_(done.op, Status::success());
+    movement.copies[piece].reset();
+    movement.pieces[piece] = PieceState::kDone;
+    ++movement.done;
+    counted = true;
+  }
+  return counted;
+}
+
+bool UcxChannel::ended(const Movement& movement) const {
+  if (!movement.requests.empty()) return false;
+  if (movement.failure) return !movement.copyPending();
+  return movement.done == movement.pieces.size();
+}
+
+bool UcxChannel::busy() const {
+  // Pieces inside UCX need nothing from the loop: UCX wakes it when they complete.
+  for (const auto& [id, movement] : movements_) {
+    if (!movement->started || movement->failure || ended(*movement)) return true;
+    for (const PieceState state : movement->pieces) {
+      if (state == PieceState::kCopying || state == PieceState::kLanded) return true;
     }
   }
-  return advanced;
+  return false;
 }
 
 void UcxChannel::cancel(Op& op) {
-  if (op.transportRequest) {
-    ucp_request_cancel(worker_.handle(), op.transportRequest);
-    return;
-  }
-  for (auto it = waiting_.begin(); it != waiting_.end(); ++it) {
-    if (it->op.get() != &op) continue;
-    std::shared_ptr<Op> cancelled = std::move(it->op);
-    waiting_.erase(it);
-    --cancelled->outstanding;
-    onDone_(cancelled, abandoned(*cancelled));
-    return;
-  }
-  // Staged ops end in advanceStaged(): at once unless a copy still touches the buffer.
+  auto it = movements_.find(op.id);
+  if (it == movements_.end()) return;
+  Movement& movement = *it->second;
+  if (!movement.failure) movement.failure = abandoned(op);
+  advance(movement);  // cancels its requests now; it ends in progress()
 }
 
 void UcxChannel::finish(Transfer& transfer, void* request, const Status& status) {
-  Op& op = *transfer.op;
-  if (transfer.finishedWhilePosting) *transfer.finishedWhilePosting = true;
-  op.transportRequest = nullptr;
-  --op.outstanding;
+  Movement& movement = *transfer.movement;
+  if (transfer.finishedWhilePosting) {
+    *transfer.finishedWhilePosting = true;
+  } else {
+    auto& requests = movement.requests;
+    requests.erase(std::find(requests.begin(), requests.end(), request));
+  }
   ucp_request_free(request);
-  if (status.ok() && transfer.host && !op.isSend()) {
-    ++op.outstanding;  // promised to the copy in
-    staged_.push_back(Staged{transfer.op, std::move(transfer.host), nullptr, nullptr, 0});
+  if (!status.ok()) {
+    if (!movement.failure) movement.failure = status;
     return;
   }
-  onDone_(transfer.op, status);
+  if (movement.staged && !movement.isSend()) {
+    movement.pieces[transfer.piece] = PieceState::kLanded;
+    return;
+  }
+  movement.pieces[transfer.piece] = PieceState::kDone;
+  ++movement.done;
 }
 
 void UcxChannel::onSent(void* request, ucs_status_t status, void* userData) {
   std::unique_ptr<Transfer> transfer(static_cast<Transfer*>(userData));
-  const Status result =
-      status == UCS_OK ? Status::success() : transportFailure(*transfer->op, status);
+  const Status result = status == UCS_OK
+                            ? Status::success()
+                            : transportFailure(*transfer->movement->op, status);
   transfer->channel->finish(*transfer, request, result);
 }
 
 void UcxChannel::onReceived(void* request, ucs_status_t status, const ucp_tag_recv_info_t* info,
                             void* userData) {
   std::unique_ptr<Transfer> transfer(static_cast<Transfer*>(userData));
-  const Op& op = *transfer->op;
+  const Movement& movement = *transfer->movement;
+  const Op& op = *movement.op;
   Status result = Status::success();
   if (status != UCS_OK) {
     result = transportFailure(op, status);
-  } else if (info->length != op.request.buffer.bytes) {
+  } else if (info->length != movement.bytesOf(transfer->piece)) {
     result = Status::failure(StatusCode::kTransport,
-                             concat(op.describe(), " received ", info->length, " B"));
+                             concat(op.describe(), " received ", info->length, " B in piece ",
+                                    transfer->piece, " of ", movement.bytesOf(transfer->piece),
+                                    " B"));
   }
   transfer->channel->finish(*transfer, request, result);
 }

@@ -12,8 +12,8 @@
 namespace smfree::engine {
 
 // Moves bytes with UCX tag send/recv straight between the users' buffers, host or CUDA. The
-// receiver posts its recv under a tag it owns (its op id) before it clears the sender, so the
-// data never lands in UCX's unexpected queue; the exception is an unstaged CUDA recv whose
+// receiver posts its recv under tags it owns (from its op id) before it clears the sender, so
+// the data never lands in UCX's unexpected queue; the exception is an unstaged CUDA recv whose
 // stream has not reached it yet, posted once it has (its sender may be cleared before).
 //
 // UCX is not stream-aware: a CUDA op waits, here, for its `streamReady` flag (written by the
@@ -22,18 +22,25 @@ namespace smfree::engine {
 // that wait in a shared hardware queue (see CudaOp.h).
 //
 // Toward a peer that UCX reaches over TCP alone, CUDA buffers go through pinned host memory
-// (HostStaging): a send is copied out once its stream reaches it, then UCX sends the host
-// copy; a recv lands in host memory at once and is copied in once its stream reaches it.
+// (HostStaging), in pieces so that copies and the network overlap: each piece of a send is
+// handed to UCX as soon as the copy engine has copied it out, and each piece of a recv is
+// copied in as soon as it has landed (and the stream has reached the recv). The receiver
+// chooses the pieces and tells the sender with its clear-to-send; a sender that does not
+// stage sends the same pieces straight from its buffer.
 class UcxChannel final : public Channel {
  public:
-  UcxChannel(UcxWorker& worker, const cuda::FlagSegment& flags, Done onDone);
+  // `pieceBytes`: size of the pieces of a staged recv (SMFREE_HOST_STAGING_PIECE_BYTES); 0 for
+  // one piece.
+  UcxChannel(UcxWorker& worker, const cuda::FlagSegment& flags, uint64_t pieceBytes,
+             Done onDone);
+  ~UcxChannel() override;
 
   std::string armRecv(const std::shared_ptr<Op>& recv, Peer& source) override;
   void startSend(const std::shared_ptr<Op>& send, Peer& destination,
                  const std::string& channelData) override;
   void cancel(Op& op) override;
   bool progress() override;
-  bool busy() const override { return !waiting_.empty() || !staged_.empty(); }
+  bool busy() const override;
   // The device of the latest CUDA buffer handed to UCX; -1 before the first.
   int cudaDevice() const { return cudaDevice_; }
   uint64_t hostStagedSends() const { return hostStagedSends_; }
@@ -41,22 +48,8 @@ class UcxChannel final : public Channel {
   uint64_t hostStagingCachedBytes() const { return staging_.cachedBytes(); }
 
  private:
+  struct Movement;
   struct Transfer;
-  // A CUDA op whose stream has not reached it; `destination` is null for a recv.
-  struct Waiting {
-    std::shared_ptr<Op> op;
-    Peer* destination;
-    ucp_tag_t tag;
-  };
-  // A CUDA op between its copy and UCX: a send copied out (then sent from `host`), or a recv
-  // whose bytes are in `host` (copied in once its stream reaches it, then done).
-  struct Staged {
-    std::shared_ptr<Op> op;
-    std::shared_ptr<cuda::PinnedMemory> host;
-    std::shared_ptr<cuda::Event> copied;  // null: a recv not yet copied in
-    Peer* destination;                   // null for a recv
-    ucp_tag_t tag;
-  };
   static void onSent(void* request, ucs_status_t status, void* userData);
   static void onReceived(void* request, ucs_status_t status, const ucp_tag_recv_info_t* info,
                          void* userData);
@@ -65,28 +58,27 @@ class UcxChannel final : public Channel {
   // Decided, and logged, once per peer.
   bool stagesThroughHost(const Op& op, Peer& peer);
   bool onlyTcpToward(const Peer& peer) const;
-  void postRecv(const std::shared_ptr<Op>& recv, ucp_tag_t tag,
-                std::shared_ptr<cuda::PinnedMemory> host);
-  void postSend(const std::shared_ptr<Op>& send, Peer& destination, ucp_tag_t tag);
-  void transmit(const std::shared_ptr<Op>& send, Peer& destination, ucp_tag_t tag,
-                std::shared_ptr<cuda::PinnedMemory> host);
-  void copyOut(const std::shared_ptr<Op>& send, Peer& destination, ucp_tag_t tag);
-  bool advanceWaiting();
-  bool advanceStaged();
-  // Posts one UCX request for `op` (on `host` when staged) through `call(params)`; the status
-  // of the posting.
-  template <typename Call>
-  ucs_status_t post(const std::shared_ptr<Op>& op, std::shared_ptr<cuda::PinnedMemory> host,
-                    Call&& call);
+  Movement& track(const std::shared_ptr<Op>& op, Peer* destination, ucp_tag_t tag,
+                  uint64_t pieceBytes);
+  // Moves what the movement's state allows; true if anything changed.
+  bool advance(Movement& movement);
+  bool startOnceStreamReached(Movement& movement);
+  bool transmitCopiedPieces(Movement& movement);
+  bool copyInLandedPieces(Movement& movement);
+  bool countCopiedInPieces(Movement& movement);
+  void postPiece(Movement& movement, uint32_t piece);
+  void copyOut(Movement& movement);
+  bool ended(const Movement& movement) const;
   void finish(Transfer& transfer, void* request, const Status& status);
-  ucp_request_param_t requestParams(Transfer& transfer) const;
 
   UcxWorker& worker_;
   const cuda::FlagSegment& flags_;
+  uint64_t pieceBytes_;
   Done onDone_;
-  std::vector<Waiting> waiting_;
   HostStaging staging_;
-  std::vector<Staged> staged_;
+  // By op id. A movement ends, and is erased, only in progress(): UCX runs callbacks from
+  // inside the calls that post and cancel.
+  std::unordered_map<uint64_t, std::unique_ptr<Movement>> movements_;
   std::unordered_map<const Peer*, bool> stagingDecisions_;  // peers live as long as the engine
   int cudaDevice_ = -1;
   uint64_t hostStagedSends_ = 0;
