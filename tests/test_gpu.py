@@ -19,6 +19,8 @@ GPUS = torch.cuda.device_count()
 OVER_UCX = os.environ.get("SMFREE_TRANSPORT") == "ucx"
 copy_engine_only = pytest.mark.skipif(OVER_UCX, reason="tests the copy-engine protocol")
 ucx_only = pytest.mark.skipif(not OVER_UCX, reason="tests CUDA over UCX (SMFREE_TRANSPORT=ucx)")
+# UCX over TCP alone copies CUDA memory in small pieces; smfree then stages through host memory.
+UCX_TCP_ONLY = {"tcp"} <= set(os.environ.get("UCX_TLS", "").split(",")) <= {"tcp", "cuda_copy"}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8, torch.uint8,
           torch.int32, torch.int64, torch.bool, torch.complex64]
 
@@ -135,8 +137,33 @@ def test_stream_semantics_of_send_and_recv():
     posted_in, (before, after) = run_ranks(_stream_order, 2, cuda=True)
     assert before == 7.0, "the recv overwrote the buffer before earlier work on it finished"
     assert after == 42.0, "data sent before the producer finished, or not received"
-    if not OVER_UCX:  # over UCX, wait() completes on the CPU (README, Use)
+    # Over UCX a send's wait() returns on the CPU once it has ended, unless UCX moves it from
+    # pinned host memory: then, as on the copy engines, once its copy out is queued.
+    if not OVER_UCX or UCX_TCP_ONLY:
         assert posted_in < 0.05, f"isend + wait blocked the CPU for {posted_in:.3f} s"
+
+
+def _overwrite_after_wait(rank, world, numel, rounds):
+    dev = torch.device("cuda", rank)
+    if rank == 0:
+        for round_ in range(rounds):
+            buf = torch.full((numel,), float(round_ + 1), device=dev)
+            dist.isend(buf, 1).wait()
+            buf.fill_(-1.0)  # on the current stream: after the send has read the buffer
+        torch.cuda.synchronize()
+        return None
+    seen = []
+    for _ in range(rounds):
+        got = torch.empty(numel, device=dev)
+        dist.irecv(got, 0).wait()
+        seen.append((got.min().item(), got.max().item()))
+    return seen
+
+
+def test_send_buffer_may_be_overwritten_once_wait_returns():
+    rounds = 4
+    seen = run_ranks(_overwrite_after_wait, 2, 16 << 20, rounds, cuda=True)[1]
+    assert seen == [(float(r + 1), float(r + 1)) for r in range(rounds)], seen
 
 
 def _crossed_unbatched(rank, world, nbytes):
@@ -674,10 +701,6 @@ def _exchanges_and_staging(rank, world, sizes):
     return {key: after[key] - before[key] if key != "ucx_host_staging_cached_bytes" else after[key]
             for key in ("ucx_host_staged_sends", "ucx_host_staged_recvs",
                         "ucx_host_staging_cached_bytes")}
-
-
-# UCX over TCP alone copies CUDA memory in small pieces; smfree then stages through host memory.
-UCX_TCP_ONLY = {"tcp"} <= set(os.environ.get("UCX_TLS", "").split(",")) <= {"tcp", "cuda_copy"}
 
 
 @ucx_only

@@ -91,13 +91,20 @@ c10::intrusive_ptr<c10d::Work> SmFreeBackend::pointToPoint(engine::OpKind kind,
   }
 
   const bool isSend = kind == engine::OpKind::kSend;
+  bool cpuWaited = true;
+  try {
+    cpuWaited = !group_->fencesOnStream(
+        kind, peer, onCuda ? engine::MemoryKind::kCuda : engine::MemoryKind::kHost);
+  } catch (const engine::Error& error) {
+    C10_THROW_ERROR(DistBackendError, error.what());
+  }
   auto work = c10::make_intrusive<SmFreeWork>(
       isSend ? c10d::OpType::SEND : (peer == engine::kAnySource ? c10d::OpType::RECVANYSOURCE
                                                                  : c10d::OpType::RECV),
       WorkLabel{op, peer == engine::kAnySource ? WorkLabel::kNoPeer : peer, tag,
                 static_cast<int64_t>(tensor.nbytes())},
       std::vector<at::Tensor>{tensor});
-  work->expectOp();
+  work->expectOp(cpuWaited);
   work->seal();
 
   c10::intrusive_ptr<SmFreeWork> batch;
@@ -106,7 +113,7 @@ c10::intrusive_ptr<c10d::Work> SmFreeBackend::pointToPoint(engine::OpKind kind,
     batch = batch_;
   }
   if (batch) {
-    batch->expectOp();
+    batch->expectOp(cpuWaited);
   }
 
   engine::OpRequest request;
@@ -126,12 +133,15 @@ c10::intrusive_ptr<c10d::Work> SmFreeBackend::pointToPoint(engine::OpKind kind,
   // The storage, not the tensor: Megatron frees a sent activation right after isend by
   // swapping its `.data`, which would hand the bytes back to the allocator mid-transfer.
   request.keepalive = std::make_shared<c10::Storage>(tensor.storage());
-  request.onComplete = [work, batch](const engine::Status& status, int source) {
-    work->onOpDone(status, source);
-    if (batch) batch->onOpDone(status, source);
+  request.onComplete = [work, batch, cpuWaited](const engine::Status& status, int source) {
+    work->onOpDone(status, source, cpuWaited);
+    if (batch) batch->onOpDone(status, source, cpuWaited);
   };
   try {
-    if (auto fence = group_->post(std::move(request))) {
+    auto fence = group_->post(std::move(request));
+    TORCH_INTERNAL_ASSERT(fence.has_value() != cpuWaited,
+                          "smfree: the engine fenced an op it was not to fence, or the reverse");
+    if (fence) {
       const int device = tensor.device().index();
       work->addStreamFence(group_, device, *fence);
       if (batch) batch->addStreamFence(group_, device, *fence);
@@ -301,7 +311,8 @@ void SmFreeBackend::stop(const char* state, bool abortInner) {
     return;
   }
   try {
-    group_->close(engine::StatusCode::kAborted, c10::str("group '", group_->config().name, "' was ", state));
+    group_->close(engine::StatusCode::kAborted,
+                  c10::str("group '", group_->config().name, "' was ", state), abortInner);
   } catch (const engine::Error& error) {
     C10_THROW_ERROR(DistBackendError, error.what());
   }

@@ -24,10 +24,11 @@ SmFreeWork::SmFreeWork(c10d::OpType type, WorkLabel label, std::vector<at::Tenso
       future_(c10::make_intrusive<c10::ivalue::Future>(
           c10::ListType::create(c10::TensorType::get()))) {}
 
-void SmFreeWork::expectOp() {
+void SmFreeWork::expectOp(bool cpuWaited) {
   std::lock_guard<std::mutex> lock(stateMutex_);
   TORCH_INTERNAL_ASSERT(!sealed_, "smfree: op added to a sealed Work");
   ++pending_;
+  if (cpuWaited) ++cpuPending_;
 }
 
 void SmFreeWork::addStreamFence(std::shared_ptr<engine::Group> group, int device,
@@ -42,9 +43,10 @@ void SmFreeWork::seal() {
   completeIfDone(lock);
 }
 
-void SmFreeWork::onOpDone(const engine::Status& status, int source) {
+void SmFreeWork::onOpDone(const engine::Status& status, int source, bool cpuWaited) {
   std::unique_lock<std::mutex> lock(stateMutex_);
   --pending_;
+  if (cpuWaited && --cpuPending_ == 0 && pending_ > 0) done_.notify_all();
   if (source >= 0) {
     source_ = source;
   }
@@ -103,12 +105,15 @@ bool SmFreeWork::wait(std::chrono::milliseconds timeout) {
   }
   // CUDA work on the copy engines makes the current stream wait for the copy, as with NCCL.
   // The CPU waits only until the partner has posted and the copy is submitted (never for the
-  // bytes), unless a timeout asks it to wait for the end. Ops without fences (CPU tensors,
-  // CUDA tensors over UCX) are waited for on the CPU: UCX is not stream-aware.
+  // bytes), unless a timeout asks it to wait for the end. So does a CUDA send that UCX moves
+  // from pinned host memory (its copy out); other CUDA sends over UCX set `queued` only when
+  // they end. Ops without fences (CPU tensors, CUDA recvs over UCX) are waited for on the
+  // CPU: UCX is not stream-aware.
   try {
-    if (fences.empty() || timeout != kNoTimeout) {
+    if (timeout != kNoTimeout) {
       waitFinished(timeout);
     } else {
+      waitCpuWaitedOps();
       for (const StreamFence& fence : fences) fence.group->awaitQueued(fence.fence);
     }
   } catch (const engine::Error& error) {
@@ -143,6 +148,12 @@ void SmFreeWork::waitFinished(std::chrono::milliseconds timeout) {
     throwTimeout(c10::str("smfree: wait(timeout=", timeout.count(), " ms) expired; ",
                           label_.describe(), " is still pending"));
   }
+}
+
+void SmFreeWork::waitCpuWaitedOps() {
+  std::unique_lock<std::mutex> lock(stateMutex_);
+  // Ops carry the group timeout, so this wait ends.
+  done_.wait(lock, [this] { return finished_ || (sealed_ && cpuPending_ == 0); });
 }
 
 void SmFreeWork::synchronize() {

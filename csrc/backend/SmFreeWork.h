@@ -31,11 +31,14 @@ class SmFreeWork final : public c10d::Work {
  public:
   SmFreeWork(c10d::OpType type, WorkLabel label, std::vector<at::Tensor> tensors);
 
-  void expectOp();  // one more op will report
-  // A CUDA op: wait() makes the current stream wait for it rather than the CPU (see wait()).
+  // One more op will report; `cpuWaited`: wait() waits for it on the CPU, not through a stream
+  // fence.
+  void expectOp(bool cpuWaited);
+  // An op with a fence: wait() makes the current stream wait for it rather than the CPU (see
+  // wait()).
   void addStreamFence(std::shared_ptr<engine::Group> group, int device, engine::CudaFence fence);
   void seal();      // no more ops will be added
-  void onOpDone(const engine::Status& status, int source);
+  void onOpDone(const engine::Status& status, int source, bool cpuWaited);
 
   bool isCompleted() override;
   bool isSuccess() const override;
@@ -49,6 +52,7 @@ class SmFreeWork final : public c10d::Work {
  private:
   void completeIfDone(std::unique_lock<std::mutex>& lock);
   void waitFinished(std::chrono::milliseconds timeout);
+  void waitCpuWaitedOps();
 
   struct StreamFence {
     std::shared_ptr<engine::Group> group;
@@ -63,6 +67,7 @@ class SmFreeWork final : public c10d::Work {
   mutable std::mutex stateMutex_;
   std::condition_variable done_;
   int pending_ = 0;
+  int cpuPending_ = 0;  // of pending_, those without a stream fence
   bool sealed_ = false;
   bool finished_ = false;
   std::exception_ptr error_;

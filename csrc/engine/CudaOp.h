@@ -37,6 +37,18 @@ struct CudaOpState {
   std::shared_ptr<cuda::Event> copied;
 };
 
+// The stream-side state of a CUDA send over UCX. UCX is not stream-aware, so the caller's CPU
+// waits for such a send to end; but a send staged through host memory needs its buffer only
+// until the copy engine has copied it out, so there the caller's stream waits for that copy
+// instead (`copied`) and the CPU only for it to be queued (`queued`). An unstaged send sets
+// `queued` when it ends, and never records `copied`.
+struct UcxSendState {
+  cuda::Flag queued;
+  // Recorded on the caller's stream at the post: the copy out waits for it.
+  std::shared_ptr<cuda::Event> produced;
+  std::shared_ptr<cuda::Event> copied;
+};
+
 // Values of a recv's `done` word above the flag's own.
 constexpr uint32_t kCopied = 1;
 constexpr uint32_t kSenderGaveUp = 2;

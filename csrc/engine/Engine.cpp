@@ -21,6 +21,8 @@ namespace smfree::engine {
 namespace {
 
 constexpr auto kExpiryScanInterval = std::chrono::milliseconds(20);
+// Longest a process exit waits for sends whose wait() has returned to deliver their bytes.
+constexpr auto kExitDrainLimit = std::chrono::seconds(60);
 // How often exported CUDA memory is checked for having been freed: what a peer's mapping
 // keeps of the memory after the allocator released it is held for about this long.
 constexpr auto kExportSweepInterval = std::chrono::milliseconds(50);
@@ -79,6 +81,12 @@ void Engine::stopProcessEngine() {
     engine = processEngine.lock();
   }
   if (engine) {
+    // A rank may exit right after wait() on a staged send: its receiver is owed the bytes.
+    try {
+      engine->awaitReleasedSends(std::nullopt, Clock::now() + kExitDrainLimit);
+    } catch (const Error& error) {
+      log(LogLevel::kWarn, "at exit: ", error.what());
+    }
     engine->stop();
   }
 }
@@ -134,6 +142,20 @@ void Engine::stop() {
 }
 
 // ---------------------------------------------------------------- any thread
+
+void Engine::awaitReleasedSends(std::optional<uint64_t> groupId, Clock::time_point deadline) {
+  size_t left = 0;
+  while (true) {
+    left = call<size_t>([this, groupId] { return releasedSendsInFlight(groupId); },
+                        std::chrono::seconds(10), "counting sends in flight");
+    if (left == 0 || Clock::now() >= deadline) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  if (left != 0) {
+    log(LogLevel::kWarn, left, " sends whose wait() had returned were still moving bytes when ",
+        groupId ? "their group closed" : "the process exited", "; they fail");
+  }
+}
 
 void Engine::submit(std::function<void()> command) {
   bool wake = false;
@@ -368,6 +390,15 @@ void Engine::closeGroup(uint64_t groupId, StatusCode code, const std::string& re
     if (moving) channelFor(*op).cancel(*op);
   }
   group->matcher.clear();
+}
+
+size_t Engine::releasedSendsInFlight(std::optional<uint64_t> groupId) {
+  size_t count = 0;
+  for (const auto& [id, op] : live_) {
+    if (groupId && op->groupId != *groupId) continue;
+    if (!op->finished() && op->ucxSend && flags_->isSet(op->ucxSend->queued)) ++count;
+  }
+  return count;
 }
 
 std::string Engine::dumpPending(uint64_t groupId) {
@@ -697,6 +728,8 @@ void Engine::complete(const std::shared_ptr<Op>& op, const Status& status) {
     flags_->set(op->cuda->queued);
     if (!op->isSend()) flags_->set(op->cuda->done);
   }
+  // A UCX send's waiter, if its copy out never set `queued`, waits for the end on the CPU.
+  if (op->ucxSend) flags_->set(op->ucxSend->queued);
   release(op);
 }
 
@@ -717,6 +750,11 @@ void Engine::release(const std::shared_ptr<Op>& op) {
     op->cuda->produced.reset();
     op->cuda->copied.reset();
     retireCuda();
+  }
+  if (op->ucxSend) {
+    flags_->release(op->ucxSend->queued);
+    op->ucxSend->produced.reset();
+    op->ucxSend->copied.reset();
   }
   if (op->streamReady) {
     releaseOnceWritten(*op->streamReady);
@@ -792,7 +830,7 @@ CudaFence Engine::prepareCuda(Op& op, std::chrono::milliseconds timeout) {
   return CudaFence{state.queued, state.done, state.copied};
 }
 
-void Engine::prepareUcxCuda(Op& op, std::chrono::milliseconds timeout) {
+std::optional<CudaFence> Engine::prepareUcxCuda(Op& op, std::chrono::milliseconds timeout) {
   static std::once_flag announced;
   std::call_once(announced, [this] {
     log(LogLevel::kInfo, "CUDA tensors to some ranks move over UCX (SMFREE_TRANSPORT=",
@@ -800,14 +838,24 @@ void Engine::prepareUcxCuda(Op& op, std::chrono::milliseconds timeout) {
   });
   admitCuda(timeout);
   const cuda::Flag ready = flags_->acquire();
+  std::optional<UcxSendState> send;
   try {
     writeFromStream(op, ready);
+    if (op.isSend()) {
+      const int device = op.request.buffer.device;
+      send = UcxSendState{flags_->acquire(), cuda::takeEvent(device), cuda::takeEvent(device)};
+      send->produced->record(static_cast<CUstream>(op.request.stream));
+    }
   } catch (...) {
     flags_->release(ready);
+    if (send) flags_->release(send->queued);
     retireCuda();
     throw;
   }
   op.streamReady = ready;
+  op.ucxSend = send;
+  if (!send) return std::nullopt;
+  return CudaFence{send->queued, {}, send->copied};
 }
 
 void Engine::awaitQueued(const cuda::Flag& queued, Clock::time_point deadline) {

@@ -28,7 +28,7 @@ Group::Group(std::shared_ptr<Engine> engine, std::shared_ptr<const GroupConfig> 
 
 Group::~Group() {
   try {
-    close(StatusCode::kAborted, "the group was destroyed");
+    close(StatusCode::kAborted, "the group was destroyed", false);
   } catch (const std::exception& error) {
     log(LogLevel::kWarn, "closing group '", config_->name, "': ", error.what());
   }
@@ -71,7 +71,7 @@ std::optional<CudaFence> Group::post(OpRequest request) {
     if (onCopyEngine(op->request)) {
       fence = engine_->prepareCuda(*op, timeout());
     } else {
-      engine_->prepareUcxCuda(*op, timeout());
+      fence = engine_->prepareUcxCuda(*op, timeout());
     }
   }
   op->posted = Clock::now();
@@ -79,6 +79,15 @@ std::optional<CudaFence> Group::post(OpRequest request) {
   Engine* engine = engine_.get();
   engine_->submit([engine, op] { engine->startOp(op); });
   return fence;
+}
+
+bool Group::fencesOnStream(OpKind kind, int peer, MemoryKind memory) const {
+  if (memory != MemoryKind::kCuda) return false;
+  if (kind == OpKind::kSend) return true;
+  OpRequest request;
+  request.kind = kind;
+  request.peer = peer;
+  return onCopyEngine(request);
 }
 
 bool Group::onCopyEngine(const OpRequest& request) const {
@@ -116,11 +125,14 @@ void Group::waitOnStream(void* stream, int device, const CudaFence& fence) {
   engine_->waitOnStream(stream, device, fence);
 }
 
-void Group::close(StatusCode code, const std::string& reason) {
+void Group::close(StatusCode code, const std::string& reason, bool abort) {
   if (closed_.exchange(true)) {
     return;
   }
   const uint64_t id = id_;
+  // Sends whose wait() has returned still owe their receivers the bytes; their own timeouts
+  // bound this.
+  if (!abort) engine_->awaitReleasedSends(id, Clock::now() + timeout());
   Engine* engine = engine_.get();
   engine_->call<void>([engine, id, code, reason] { engine->closeGroup(id, code, reason); },
                       std::chrono::seconds(60), "closing the group");

@@ -39,12 +39,16 @@ class Group {
   // Makes `stream` wait for the copy on the GPU; call only after awaitQueued.
   void waitOnStream(void* stream, int device, const CudaFence& fence);
   // Fails every pending op with `reason` and refuses new ones; returns once that is done.
-  void close(StatusCode code, const std::string& reason);
+  // Unless `abort`, it first lets the sends whose wait() has returned deliver their bytes.
+  void close(StatusCode code, const std::string& reason, bool abort);
   // Why `rank`'s process is known dead, if it is.
   std::optional<std::string> peerFailure(int rank);
   std::string dumpPending();
   // Engine-wide counters: live ops, open CUDA IPC mappings, flag words in use.
   std::map<std::string, int64_t> stats();
+  // Whether post() returns a fence for such an op: CUDA ops on the copy engines, and CUDA
+  // sends over UCX (see UcxSendState).
+  bool fencesOnStream(OpKind kind, int peer, MemoryKind memory) const;
 
  private:
   // Whether a CUDA op with these ranks moves on the copy engines (else over UCX).

@@ -100,6 +100,14 @@ std::shared_ptr<cuda::Event> HostStaging::copyToDevice(const cuda::PinnedMemory&
               bytes);
 }
 
+void HostStaging::copyToHostAfter(int device, const cuda::Event& event) {
+  event.waitOn(streamOf(toHost_, device, "device to host staging").handle());
+}
+
+void HostStaging::recordAfterCopiesToHost(int device, cuda::Event& event) {
+  event.record(streamOf(toHost_, device, "device to host staging").handle());
+}
+
 uint64_t HostStaging::cachedBytes() const {
   std::lock_guard<std::mutex> lock(cache_->mutex);
   return cache_->idleBytes;

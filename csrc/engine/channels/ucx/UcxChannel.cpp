@@ -190,16 +190,16 @@ void UcxChannel::startSend(const std::shared_ptr<Op>& send, Peer& destination,
   }
   Movement& movement = track(send, &destination, tag, pieceBytes);
   movement.staged = stagesThroughHost(*send, destination);
-  startOnceStreamReached(movement);
+  if (movement.staged) {
+    copyOut(movement);  // the copies wait for the caller's stream on the GPU
+  } else {
+    startOnceStreamReached(movement);
+  }
 }
 
 bool UcxChannel::startOnceStreamReached(Movement& movement) {
   if (!streamReached(*movement.op)) return false;
   movement.started = true;
-  if (movement.staged && movement.isSend()) {
-    copyOut(movement);
-    return true;
-  }
   for (uint32_t piece = 0; piece < movement.pieces.size() && !movement.failure; ++piece) {
     postPiece(movement, piece);
   }
@@ -207,18 +207,24 @@ bool UcxChannel::startOnceStreamReached(Movement& movement) {
 }
 
 void UcxChannel::copyOut(Movement& movement) {
-  const Buffer& buffer = movement.op->request.buffer;
+  movement.started = true;
+  const Op& op = *movement.op;
+  const Buffer& buffer = op.request.buffer;
   try {
     movement.host = staging_.take(buffer.device, buffer.bytes);
+    staging_.copyToHostAfter(buffer.device, *op.ucxSend->produced);
     for (uint32_t piece = 0; piece < movement.pieces.size(); ++piece) {
       movement.copies[piece] = staging_.copyToHost(buffer, *movement.host,
                                                    movement.offsetOf(piece),
                                                    movement.bytesOf(piece));
       movement.pieces[piece] = PieceState::kCopying;
     }
+    // From here the caller's stream, not its CPU, waits for the buffer to be free.
+    staging_.recordAfterCopiesToHost(buffer.device, *op.ucxSend->copied);
+    flags_.set(op.ucxSend->queued);
     ++hostStagedSends_;
   } catch (const Error& error) {
-    movement.failure = copyFailure(*movement.op, error);
+    movement.failure = copyFailure(op, error);
   }
 }
 

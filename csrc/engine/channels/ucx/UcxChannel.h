@@ -19,7 +19,8 @@ namespace smfree::engine {
 // UCX is not stream-aware: a CUDA op waits, here, for its `streamReady` flag (written by the
 // caller's stream) before UCX may touch the buffer. Completion reaches the caller through its
 // Work on the CPU; no stream waits on UCX, whose own CUDA copies could otherwise queue behind
-// that wait in a shared hardware queue (see CudaOp.h).
+// that wait in a shared hardware queue (see CudaOp.h). The exception is a staged send, whose
+// caller's stream waits for the copy out, queued before that wait (UcxSendState).
 //
 // Toward a peer that UCX reaches over TCP alone, CUDA buffers go through pinned host memory
 // (HostStaging), in pieces so that copies and the network overlap: each piece of a send is
