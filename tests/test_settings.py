@@ -34,3 +34,13 @@ def test_no_spinning_where_the_hosts_ranks_outnumber_its_cpus():
                                  {"LOCAL_WORLD_SIZE": "100000", "SMFREE_SPIN_US": "10000"}])
 def test_spinning_where_each_rank_has_a_cpu_or_the_user_chose(env):
     assert SPIN_NOTE not in engine_log(**env)
+
+
+@pytest.mark.parametrize("name", ["SMFREE_HOST_STAGING_PIECE_BYTES", "SMFREE_STAGING_BYTES",
+                                  "SMFREE_SPIN_US"])
+@pytest.mark.parametrize("value", ["4M", "-1"])
+def test_a_size_that_is_not_a_count_of_bytes_is_refused_by_name(name, value):
+    result = subprocess.run([sys.executable, "-c", ONE_RANK], capture_output=True, text=True,
+                            timeout=120, env=dict(os.environ, **{name: value}))
+    assert result.returncode != 0
+    assert f"{name}='{value}' is not a non-negative integer" in result.stderr, result.stderr

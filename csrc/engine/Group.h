@@ -30,8 +30,9 @@ class Group {
   // Makes sure the endpoint to `rank` exists (first use: a store lookup). Throws on failure.
   void connect(int rank);
   void connectAll();
-  // Never blocks on the transfer; `request.onComplete` reports the outcome. For a CUDA buffer
-  // it returns what streams wait on (waitOnStream) to see the op done.
+  // Never blocks on the transfer; `request.onComplete` reports the outcome. For the ops
+  // fencesOnStream() names it returns what streams wait on (waitOnStream) to see the op's
+  // buffer done with.
   std::optional<CudaFence> post(OpRequest request);
   // Returns once the partner has posted and the copy is submitted, or the op failed; throws
   // if neither happens within the group timeout.
