@@ -68,7 +68,7 @@ std::optional<CudaFence> Group::post(OpRequest request) {
   op->config = config_;
   std::optional<CudaFence> fence;
   if (op->request.buffer.memory == MemoryKind::kCuda) {
-    if (onCopyEngine(op->request)) {
+    if (onCopyEngine(op->request.peer)) {
       fence = engine_->prepareCuda(*op, timeout());
     } else {
       fence = engine_->prepareUcxCuda(*op, timeout());
@@ -83,14 +83,10 @@ std::optional<CudaFence> Group::post(OpRequest request) {
 
 bool Group::fencesOnStream(OpKind kind, int peer, MemoryKind memory) const {
   if (memory != MemoryKind::kCuda) return false;
-  if (kind == OpKind::kSend) return true;
-  OpRequest request;
-  request.kind = kind;
-  request.peer = peer;
-  return onCopyEngine(request);
+  return kind == OpKind::kSend || onCopyEngine(peer);
 }
 
-bool Group::onCopyEngine(const OpRequest& request) const {
+bool Group::onCopyEngine(int peer) const {
   switch (engine_->config().transport) {
     case Transport::kCopyEngine:
       return true;
@@ -99,8 +95,8 @@ bool Group::onCopyEngine(const OpRequest& request) const {
     case Transport::kAuto:
       break;
   }
-  if (request.peer != kAnySource) {
-    return sameHost_[request.peer];
+  if (peer != kAnySource) {
+    return sameHost_[peer];
   }
   // An any-source recv picks its channel before it knows its sender: all ranks must agree.
   bool local = false;

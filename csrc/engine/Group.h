@@ -52,8 +52,9 @@ class Group {
   bool fencesOnStream(OpKind kind, int peer, MemoryKind memory) const;
 
  private:
-  // Whether a CUDA op with these ranks moves on the copy engines (else over UCX).
-  bool onCopyEngine(const OpRequest& request) const;
+  // Whether a CUDA op with `peer` (a rank or kAnySource) moves on the copy engines (else over
+  // UCX).
+  bool onCopyEngine(int peer) const;
 
   std::shared_ptr<Engine> engine_;
   std::shared_ptr<const GroupConfig> config_;
