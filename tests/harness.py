@@ -2,21 +2,27 @@
 
 Each rank calls `fn(rank, world_size, *args)` after `init_process_group`; its return value
 comes back to the test. A rank that raises fails the test with its traceback; ranks that
-hang past `timeout` are killed and fail the test, so no test can hang CI.
+hang past `timeout` are killed and fail the test, so no test can hang CI. Before the kill, each
+hung rank dumps its Python threads' stacks, which go into the failure message.
 """
 
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import multiprocessing as mp
 import os
 import queue
+import signal
 import tempfile
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
 DEFAULT_TIMEOUT_S = 90
+# How long a hung rank gets to write its stacks before it is killed.
+STACK_DUMP_GRACE_S = 2
 
 
 @dataclass
@@ -26,7 +32,13 @@ class RankResult:
     error: str | None = None
 
 
+def _stack_file(tmp: str, rank: int) -> str:
+    return os.path.join(tmp, f"stacks.{rank}")
+
+
 def _run_rank(fn, rank, world_size, init_file, backend, group_timeout_s, env, args, results):
+    stacks = open(_stack_file(os.path.dirname(init_file), rank), "w")  # noqa: SIM115 - lives as long as the rank
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     os.environ.setdefault("SMFREE_LOG_LEVEL", "error")
     os.environ.update(env)
     import torch
@@ -91,7 +103,7 @@ def run_ranks(
         ]
         for proc in procs:
             proc.start()
-        collected = _collect(results, procs, world_size, timeout, expect_exit)
+        collected = _collect(results, procs, world_size, timeout, expect_exit, tmp)
         for proc in procs:
             proc.join(5)
             if proc.is_alive():
@@ -104,17 +116,18 @@ def run_ranks(
     return [collected[rank].value if rank in collected else None for rank in range(world_size)]
 
 
-def _collect(results, procs, world_size, timeout, expect_exit):
+def _collect(results, procs, world_size, timeout, expect_exit, tmp):
     collected: dict[int, RankResult] = {}
     expected = set(range(world_size)) - set(expect_exit)
     deadline = _now() + timeout
     while not expected.issubset(collected):
         remaining = deadline - _now()
         if remaining <= 0:
+            missing = sorted(expected - set(collected))
+            stacks = _dump_stacks(procs, tmp)
             for proc in procs:
                 proc.kill()
-            missing = sorted(expected - set(collected))
-            raise AssertionError(f"ranks {missing} did not finish within {timeout} s (killed)")
+            raise AssertionError(f"ranks {missing} did not finish within {timeout} s (killed)\n{stacks}")
         try:
             result = results.get(timeout=min(remaining, 1.0))
             collected[result.rank] = result
@@ -129,9 +142,23 @@ def _collect(results, procs, world_size, timeout, expect_exit):
     return collected
 
 
-def _now() -> float:
-    import time
+def _dump_stacks(procs, tmp: str) -> str:
+    """The Python stacks of every rank still running, as each wrote them on SIGUSR1."""
+    alive = [rank for rank, proc in enumerate(procs) if proc.is_alive()]
+    for rank in alive:
+        os.kill(procs[rank].pid, signal.SIGUSR1)
+    time.sleep(STACK_DUMP_GRACE_S)
+    dumps = []
+    for rank in alive:
+        try:
+            with open(_stack_file(tmp, rank)) as f:
+                dumps.append(f"--- rank {rank} stacks:\n{f.read()}")
+        except OSError as e:
+            dumps.append(f"--- rank {rank} stacks unavailable: {e}")
+    return "\n".join(dumps)
 
+
+def _now() -> float:
     return time.monotonic()
 
 

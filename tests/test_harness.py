@@ -1,0 +1,23 @@
+"""The multi-process harness itself: a hung rank fails fast and says where it hung."""
+
+import pytest
+
+from harness import run_ranks
+
+
+def _hang_in_rank_one(rank, world):
+    import time
+
+    if rank == 1:
+        while True:
+            time.sleep(0.1)
+    return rank
+
+
+def test_hung_rank_is_killed_with_its_stack_in_the_failure():
+    with pytest.raises(AssertionError) as failure:
+        run_ranks(_hang_in_rank_one, 2, timeout=5)
+    message = str(failure.value)
+    assert "ranks [1] did not finish within 5 s" in message
+    assert "--- rank 1 stacks:" in message
+    assert "_hang_in_rank_one" in message
