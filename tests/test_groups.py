@@ -93,23 +93,29 @@ def test_many_threads_on_many_groups():
 
 def _reinitialize(rank, world, store_dir):
     # destroy_process_group and a new init in the same process: a fresh engine or the same
-    # one, the groups must not collide with the old ones of the same name.
+    # one, the groups must not collide with the old ones of the same name. Rank 1 lingers in
+    # each round, so rank 0 already waits for its address when rank 1 joins the next round's
+    # group, and sends as soon as it is published.
     import datetime
     import os
+    import time
 
+    timeout = datetime.timedelta(seconds=20)  # new_group's default would be 30 minutes
     values = []
     for round_ in range(3):
         if round_ > 0:
             store = os.path.join(store_dir, str(round_))
             dist.init_process_group("smfree", init_method=f"file://{store}", rank=rank,
-                                    world_size=world, timeout=datetime.timedelta(seconds=30))
-        pp = dist.new_group(list(range(world)), backend="smfree")
+                                    world_size=world, timeout=timeout)
+        pp = dist.new_group(list(range(world)), backend="smfree", timeout=timeout)
         got = torch.empty(4)
         ops = [dist.P2POp(dist.isend, torch.full((4,), float(10 * round_ + rank)), 1 - rank, pp),
                dist.P2POp(dist.irecv, got, 1 - rank, pp)]
         for work in dist.batch_isend_irecv(ops):
             work.wait()
         values.append(got[0].item())
+        if rank == 1:
+            time.sleep(1.0)
         dist.destroy_process_group()
     dist.init_process_group("smfree", init_method=f"file://{os.path.join(store_dir, 'last')}",
                             rank=rank, world_size=world)  # for the harness to tear down

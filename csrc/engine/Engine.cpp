@@ -190,9 +190,12 @@ std::shared_ptr<Group> Engine::joinGroup(GroupConfig config, std::shared_ptr<Key
     fail("invalid group '", config.name, "': rank ", config.rank, " of size ", config.size);
   }
   auto shared = std::make_shared<const GroupConfig>(std::move(config));
-  store->set(addressKey(shared->rank), local_.encode());
+  // Registered before it is published: a peer that reads the address may send at once, and
+  // until then this engine drops messages for the name's previous group, closed but still known.
   call<void>([this, shared] { registerGroup(shared); }, timeout, "registering the group");
-  return std::make_shared<Group>(shared_from_this(), shared, std::move(store), timeout);
+  auto group = std::make_shared<Group>(shared_from_this(), shared, store, timeout);
+  store->set(addressKey(shared->rank), local_.encode());  // on failure, ~Group closes it
+  return group;
 }
 
 // ---------------------------------------------------------------- progress thread
@@ -201,6 +204,7 @@ void Engine::run() {
   // Every hop of a rendezvous passes through this thread: a sleep that overshoots by the
   // default 50 µs timer slack showed up as +10 % pipeline step time.
   prctl(PR_SET_TIMERSLACK, 1000UL);
+  prctl(PR_SET_NAME, "smfree-progress");  // what top -H and py-spy show for this thread
   auto lastActivity = Clock::now();
   auto lastScan = lastActivity;
   auto lastSweep = lastActivity;
