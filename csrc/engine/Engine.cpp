@@ -12,8 +12,10 @@
 #include "engine/Log.h"
 #include "engine/channels/cuda_ipc/CopyEngineChannel.h"
 #include "engine/channels/ucx/UcxChannel.h"
+#include "engine/channels/ucx/UcxReceiveLane.h"
 #include "engine/cuda/CudaDriver.h"
 #include "engine/cuda/StreamMemoryOps.h"
+#include "engine/transports/ucx/UcxContext.h"
 #include "engine/transports/ucx/UcxControl.h"
 #include "engine/transports/ucx/UcxWorker.h"
 
@@ -93,13 +95,16 @@ void Engine::stopProcessEngine() {
 
 Engine::Engine(Private)
     : config_(Config::fromEnv()),
-      worker_(std::make_unique<UcxWorker>(config_)),
+      ucx_(std::make_unique<UcxContext>(config_)),
+      worker_(std::make_unique<UcxWorker>(*ucx_, UcxWorker::Threads::kSingle)),
+      receiveLane_(std::make_unique<UcxReceiveLane>(*ucx_, config_.spin)),
       flags_(std::make_unique<cuda::FlagSegment>()),
-      local_(PeerAddress::local(worker_->address(), flags_->path())) {
+      local_(PeerAddress::local(worker_->address(), receiveLane_->worker().address(),
+                                flags_->path())) {
   control_ = std::make_unique<UcxControl>(
       *worker_, [this](const void* data, size_t length) { onControlMessage(data, length); });
   ucxChannel_ = std::make_unique<UcxChannel>(
-      *worker_, *flags_, config_.hostStagingPieceBytes,
+      *worker_, *receiveLane_, *flags_, config_.hostStagingPieceBytes,
       [this](const std::shared_ptr<Op>& op, const Status& status) { onTransferDone(op, status); });
   copyEngine_ = std::make_unique<CopyEngineChannel>(
       *flags_, config_.ipcCacheSize, config_.stagingBytes,
@@ -122,6 +127,7 @@ Engine::~Engine() {
   live_.clear();
   groups_.clear();
   peers_.clear();
+  receiveLane_->stop();  // after the endpoints' flushes, which peers' sends may wait on
   ucxChannel_.reset();
   copyEngine_.reset();
   control_.reset();
@@ -297,6 +303,8 @@ void Engine::checkPeers() {
     if (peer->failed && peer->sameHost && peer->endpoint) {
       peer->endpoint->peerGone();
       peer->endpoint.reset();
+      peer->dataEndpoint->peerGone();
+      peer->dataEndpoint.reset();
     }
   }
 }
@@ -368,11 +376,13 @@ void Engine::attachPeer(uint64_t groupId, int rank, const PeerAddress& address) 
     const std::string key = address.processKey;
     // Same host: shared memory and CMA need UCX's peer-failure handling off; the watch
     // notices a dead peer instead.
-    peer->endpoint = std::make_unique<UcxEndpoint>(
-        worker_->handle(), address.workerAddress, !peer->sameHost,
-        [this, key](ucs_status_t status) {
-          onPeerFailure(key, concat("UCX reported ", ucxStatusText(status)));
-        });
+    const auto onError = [this, key](ucs_status_t status) {
+      onPeerFailure(key, concat("UCX reported ", ucxStatusText(status)));
+    };
+    peer->endpoint = std::make_unique<UcxEndpoint>(worker_->handle(), address.workerAddress,
+                                                   !peer->sameHost, onError);
+    peer->dataEndpoint = std::make_unique<UcxEndpoint>(
+        worker_->handle(), address.receiveWorkerAddress, !peer->sameHost, onError);
   }
   group->peers[rank] = peer.get();
 }

@@ -33,6 +33,8 @@ class CopyEngineChannel;
 class Group;
 class UcxChannel;
 class UcxControl;
+class UcxContext;
+class UcxReceiveLane;
 class UcxWorker;
 
 // One per process, shared by every group: the UCX worker, the control transport, the data
@@ -126,7 +128,9 @@ class Engine : public std::enable_shared_from_this<Engine> {
   Channel& channelFor(const Op& op);
 
   const Config config_;
+  std::unique_ptr<UcxContext> ucx_;
   std::unique_ptr<UcxWorker> worker_;
+  std::unique_ptr<UcxReceiveLane> receiveLane_;
   std::unique_ptr<cuda::FlagSegment> flags_;
   PeerAddress local_;
   std::unique_ptr<UcxControl> control_;

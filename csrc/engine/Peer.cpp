@@ -63,6 +63,7 @@ std::vector<uint8_t> PeerAddress::encode() const {
   putString(out, std::to_string(pid));
   putString(out, flagSegment);
   putString(out, std::string(workerAddress.begin(), workerAddress.end()));
+  putString(out, std::string(receiveWorkerAddress.begin(), receiveWorkerAddress.end()));
   return out;
 }
 
@@ -76,10 +77,14 @@ PeerAddress PeerAddress::decode(const std::vector<uint8_t>& bytes) {
   address.flagSegment = getString(bytes, offset);
   const std::string worker = getString(bytes, offset);
   address.workerAddress.assign(worker.begin(), worker.end());
+  const std::string receiveWorker = getString(bytes, offset);
+  address.receiveWorkerAddress.assign(receiveWorker.begin(), receiveWorker.end());
   return address;
 }
 
-PeerAddress PeerAddress::local(std::vector<uint8_t> workerAddress, std::string flagSegment) {
+PeerAddress PeerAddress::local(std::vector<uint8_t> workerAddress,
+                               std::vector<uint8_t> receiveWorkerAddress,
+                               std::string flagSegment) {
   PeerAddress address;
   address.hostKey = localHostKey();
   address.hostname = localHostname();
@@ -87,6 +92,7 @@ PeerAddress PeerAddress::local(std::vector<uint8_t> workerAddress, std::string f
   std::random_device random;
   address.processKey = concat(address.hostKey, "/", address.pid, "/", random(), random());
   address.workerAddress = std::move(workerAddress);
+  address.receiveWorkerAddress = std::move(receiveWorkerAddress);
   address.flagSegment = std::move(flagSegment);
   return address;
 }

@@ -17,11 +17,13 @@ struct PeerAddress {
   std::string hostname;
   int pid = 0;
   std::string flagSegment;  // where same-host peers map this process's CUDA flags
-  std::vector<uint8_t> workerAddress;
+  std::vector<uint8_t> workerAddress;         // the engine's: control messages, sends
+  std::vector<uint8_t> receiveWorkerAddress;  // its receive lane's: where data is sent
 
   std::vector<uint8_t> encode() const;
   static PeerAddress decode(const std::vector<uint8_t>& bytes);
-  static PeerAddress local(std::vector<uint8_t> workerAddress, std::string flagSegment);
+  static PeerAddress local(std::vector<uint8_t> workerAddress,
+                           std::vector<uint8_t> receiveWorkerAddress, std::string flagSegment);
 };
 
 // Where a group's rank publishes its PeerAddress in the group's store.
@@ -32,7 +34,10 @@ struct Peer {
   PeerAddress address;
   bool sameHost = false;
   std::unique_ptr<ProcessWatch> watch;  // same-host peers: UCX cannot notice their death
-  std::unique_ptr<UcxEndpoint> endpoint;  // null once a failed same-host peer was closed
+  // To its engine's worker and to its receive lane; null once a failed same-host peer was
+  // closed.
+  std::unique_ptr<UcxEndpoint> endpoint;
+  std::unique_ptr<UcxEndpoint> dataEndpoint;
   std::unique_ptr<cuda::RemoteFlagSegment> flags;  // mapped on the first CUDA transfer
   bool failed = false;
   std::string failure;

@@ -79,17 +79,25 @@ struct UcxChannel::Movement {
 
 struct UcxChannel::Transfer {
   UcxChannel* channel;
-  Movement* movement;  // lives until its last request completes
+  Movement* movement;  // lives until the completion of its last request is applied
   uint32_t piece;
-  // Set while the posting call runs: UCX may complete the request inside that call.
-  bool* finishedWhilePosting = nullptr;
 };
 
-UcxChannel::UcxChannel(UcxWorker& worker, const cuda::FlagSegment& flags, uint64_t pieceBytes,
-                       Done onDone)
-    : worker_(worker), flags_(flags), pieceBytes_(pieceBytes), onDone_(std::move(onDone)) {}
+UcxChannel::UcxChannel(UcxWorker& sendWorker, UcxReceiveLane& receiveLane,
+                       const cuda::FlagSegment& flags, uint64_t pieceBytes, Done onDone)
+    : sendWorker_(sendWorker),
+      receiveLane_(receiveLane),
+      flags_(flags),
+      pieceBytes_(pieceBytes),
+      onDone_(std::move(onDone)) {}
 
-UcxChannel::~UcxChannel() = default;
+UcxChannel::~UcxChannel() {
+  std::lock_guard<std::mutex> lock(completionsMutex_);
+  for (const Completion& completion : completions_) {
+    std::unique_ptr<Transfer> owned(completion.transfer);
+    ucp_request_free(completion.request);
+  }
+}
 
 bool UcxChannel::streamReached(const Op& op) const {
   return !op.streamReady || flags_.isSet(*op.streamReady);
@@ -97,14 +105,14 @@ bool UcxChannel::streamReached(const Op& op) const {
 
 bool UcxChannel::stagesThroughHost(const Op& op, Peer& peer) {
   const Buffer& buffer = op.request.buffer;
-  if (buffer.memory != MemoryKind::kCuda || buffer.bytes == 0 || !peer.endpoint) return false;
+  if (buffer.memory != MemoryKind::kCuda || buffer.bytes == 0 || !peer.dataEndpoint) return false;
   auto [decision, first] = stagingDecisions_.try_emplace(&peer, false);
   if (first) decision->second = onlyTcpToward(peer);
   return decision->second;
 }
 
 bool UcxChannel::onlyTcpToward(const Peer& peer) const {
-  const auto transports = peer.endpoint->transports();
+  const auto transports = peer.dataEndpoint->transports();
   if (!transports) {
     logOnce("ucx-transports-unknown",
             "this UCX cannot list an endpoint's transports (UCX < 1.14): CUDA tensors go to "
@@ -237,8 +245,6 @@ void UcxChannel::postPiece(Movement& movement, uint32_t piece) {
   const ucp_tag_t tag = movement.tag + piece;
 
   auto transfer = std::make_unique<Transfer>(Transfer{this, &movement, piece});
-  bool finishedWhilePosting = false;
-  transfer->finishedWhilePosting = &finishedWhilePosting;
   ucp_request_param_t params{};
   params.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
                         UCP_OP_ATTR_FIELD_MEMORY_TYPE | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
@@ -249,17 +255,19 @@ void UcxChannel::postPiece(Movement& movement, uint32_t piece) {
   if (!movement.host && buffer.memory == MemoryKind::kCuda) {
     context.emplace(buffer.device);
     cudaDevice_ = buffer.device;
+    receiveLane_.useCudaDevice(buffer.device);
   }
-  movement.pieces[piece] = PieceState::kInUcx;  // before the call, which may complete it
-  Transfer* owned = transfer.release();         // owned by the request until its callback
+  movement.pieces[piece] = PieceState::kInUcx;
+  Transfer* owned = transfer.release();  // owned by the request until its callback
   void* request = nullptr;
   if (movement.isSend()) {
     params.cb.send = &UcxChannel::onSent;
-    request = ucp_tag_send_nbx(movement.destination->endpoint->handle(), data, bytes, tag,
+    request = ucp_tag_send_nbx(movement.destination->dataEndpoint->handle(), data, bytes, tag,
                                &params);
   } else {
     params.cb.recv = &UcxChannel::onReceived;
-    request = ucp_tag_recv_nbx(worker_.handle(), data, bytes, tag, kFullMask, &params);
+    request = ucp_tag_recv_nbx(receiveLane_.worker().handle(), data, bytes, tag, kFullMask,
+                               &params);
   }
   if (UCS_PTR_IS_ERR(request)) {
     std::unique_ptr<Transfer> back(owned);  // no callback will come
@@ -269,14 +277,11 @@ void UcxChannel::postPiece(Movement& movement, uint32_t piece) {
                                        ucxStatusText(UCS_PTR_STATUS(request))));
     return;
   }
-  if (!finishedWhilePosting) {
-    owned->finishedWhilePosting = nullptr;
-    movement.requests.push_back(request);
-  }
+  movement.requests.push_back(request);  // its completion is applied only after this
 }
 
 bool UcxChannel::progress() {
-  bool changed = false;
+  bool changed = applyCompletions();
   std::vector<uint64_t> ended;
   for (auto& [id, movement] : movements_) {
     changed = advance(*movement) || changed;
@@ -300,9 +305,7 @@ bool UcxChannel::advance(Movement& movement) {
   if (movement.failure) {
     if (movement.cancelled) return false;
     movement.cancelled = true;
-    // Cancelling may run callbacks, which take requests off the list.
-    const std::vector<void*> requests = movement.requests;
-    for (void* request : requests) ucp_request_cancel(worker_.handle(), request);
+    for (void* request : movement.requests) ucp_request_cancel(workerOf(movement), request);
     return true;
   }
   if (!movement.started) return startOnceStreamReached(movement);
@@ -368,7 +371,11 @@ bool UcxChannel::ended(const Movement& movement) const {
 }
 
 bool UcxChannel::busy() const {
-  // Pieces inside UCX need nothing from the loop: UCX wakes it when they complete.
+  // Pieces inside UCX need nothing from the loop: their completions wake it.
+  {
+    std::lock_guard<std::mutex> lock(completionsMutex_);
+    if (!completions_.empty()) return true;
+  }
   for (const auto& [id, movement] : movements_) {
     if (!movement->started || movement->failure || ended(*movement)) return true;
     for (const PieceState state : movement->pieces) {
@@ -386,50 +393,67 @@ void UcxChannel::cancel(Op& op) {
   advance(movement);  // cancels its requests now; it ends in progress()
 }
 
-void UcxChannel::finish(Transfer& transfer, void* request, const Status& status) {
-  Movement& movement = *transfer.movement;
-  if (transfer.finishedWhilePosting) {
-    *transfer.finishedWhilePosting = true;
-  } else {
-    auto& requests = movement.requests;
-    requests.erase(std::find(requests.begin(), requests.end(), request));
+ucp_worker_h UcxChannel::workerOf(const Movement& movement) {
+  return movement.isSend() ? sendWorker_.handle() : receiveLane_.worker().handle();
+}
+
+void UcxChannel::enqueue(const Completion& completion, bool wakeEngine) {
+  {
+    std::lock_guard<std::mutex> lock(completionsMutex_);
+    completions_.push_back(completion);
   }
-  ucp_request_free(request);
-  if (!status.ok()) {
-    if (!movement.failure) movement.failure = status;
+  if (wakeEngine) sendWorker_.signal();
+}
+
+bool UcxChannel::applyCompletions() {
+  std::vector<Completion> completions;
+  {
+    std::lock_guard<std::mutex> lock(completionsMutex_);
+    completions.swap(completions_);
+  }
+  for (const Completion& completion : completions) finish(completion);
+  return !completions.empty();
+}
+
+void UcxChannel::finish(const Completion& completion) {
+  std::unique_ptr<Transfer> transfer(completion.transfer);
+  Movement& movement = *transfer->movement;
+  const uint32_t piece = transfer->piece;
+  auto& requests = movement.requests;
+  requests.erase(std::find(requests.begin(), requests.end(), completion.request));
+  ucp_request_free(completion.request);
+  std::optional<Status> failure;
+  if (completion.status != UCS_OK) {
+    failure = transportFailure(*movement.op, completion.status);
+  } else if (!movement.isSend() && completion.length != movement.bytesOf(piece)) {
+    failure = Status::failure(StatusCode::kTransport,
+                              concat(movement.op->describe(), " received ", completion.length,
+                                     " B in piece ", piece, " of ", movement.bytesOf(piece),
+                                     " B"));
+  }
+  if (failure) {
+    if (!movement.failure) movement.failure = std::move(failure);
     return;
   }
   if (movement.staged && !movement.isSend()) {
-    movement.pieces[transfer.piece] = PieceState::kLanded;
+    movement.pieces[piece] = PieceState::kLanded;
     return;
   }
-  movement.pieces[transfer.piece] = PieceState::kDone;
+  movement.pieces[piece] = PieceState::kDone;
   ++movement.done;
 }
 
 void UcxChannel::onSent(void* request, ucs_status_t status, void* userData) {
-  std::unique_ptr<Transfer> transfer(static_cast<Transfer*>(userData));
-  const Status result = status == UCS_OK
-                            ? Status::success()
-                            : transportFailure(*transfer->movement->op, status);
-  transfer->channel->finish(*transfer, request, result);
+  auto* transfer = static_cast<Transfer*>(userData);
+  // On the engine's thread, inside its worker's progress or a post or cancel.
+  transfer->channel->enqueue(Completion{transfer, request, status, 0}, false);
 }
 
 void UcxChannel::onReceived(void* request, ucs_status_t status, const ucp_tag_recv_info_t* info,
                             void* userData) {
-  std::unique_ptr<Transfer> transfer(static_cast<Transfer*>(userData));
-  const Movement& movement = *transfer->movement;
-  const Op& op = *movement.op;
-  Status result = Status::success();
-  if (status != UCS_OK) {
-    result = transportFailure(op, status);
-  } else if (info->length != movement.bytesOf(transfer->piece)) {
-    result = Status::failure(StatusCode::kTransport,
-                             concat(op.describe(), " received ", info->length, " B in piece ",
-                                    transfer->piece, " of ", movement.bytesOf(transfer->piece),
-                                    " B"));
-  }
-  transfer->channel->finish(*transfer, request, result);
+  auto* transfer = static_cast<Transfer*>(userData);
+  const size_t length = status == UCS_OK ? info->length : 0;
+  transfer->channel->enqueue(Completion{transfer, request, status, length}, true);
 }
 
 }  // namespace smfree::engine

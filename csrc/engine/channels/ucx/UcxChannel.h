@@ -1,17 +1,21 @@
 #pragma once
 
 #include <memory>
+#include <mutex>
 #include <unordered_map>
 #include <vector>
 
 #include "engine/Channel.h"
 #include "engine/channels/ucx/HostStaging.h"
+#include "engine/channels/ucx/UcxReceiveLane.h"
 #include "engine/cuda/FlagSegment.h"
 #include "engine/transports/ucx/UcxWorker.h"
 
 namespace smfree::engine {
 
-// Moves bytes with UCX tag send/recv straight between the users' buffers, host or CUDA. The
+// Moves bytes with UCX tag send/recv straight between the users' buffers, host or CUDA. Sends
+// go out through the engine's worker, to the peer's receive lane (UcxReceiveLane), where recvs
+// are posted; each side's two threads move the two directions. The
 // receiver posts its recv under tags it owns (from its op id) before it clears the sender, so
 // the data never lands in UCX's unexpected queue; the exception is an unstaged CUDA recv whose
 // stream has not reached it yet, posted once it has (its sender may be cleared before).
@@ -32,8 +36,10 @@ class UcxChannel final : public Channel {
  public:
   // `pieceBytes`: size of the pieces of a staged recv (SMFREE_HOST_STAGING_PIECE_BYTES); 0 for
   // one piece.
-  UcxChannel(UcxWorker& worker, const cuda::FlagSegment& flags, uint64_t pieceBytes,
-             Done onDone);
+  // `sendWorker` is the engine's (its thread calls every method here); `receiveLane` the one
+  // that recvs are posted on.
+  UcxChannel(UcxWorker& sendWorker, UcxReceiveLane& receiveLane, const cuda::FlagSegment& flags,
+             uint64_t pieceBytes, Done onDone);
   ~UcxChannel() override;
 
   std::string armRecv(const std::shared_ptr<Op>& recv, Peer& source) override;
@@ -51,6 +57,13 @@ class UcxChannel final : public Channel {
  private:
   struct Movement;
   struct Transfer;
+  // A UCX request's end, as its callback saw it: applied to its movement in progress().
+  struct Completion {
+    Transfer* transfer;  // owned from here
+    void* request;
+    ucs_status_t status;
+    size_t length;  // bytes received (recvs)
+  };
   static void onSent(void* request, ucs_status_t status, void* userData);
   static void onReceived(void* request, ucs_status_t status, const ucp_tag_recv_info_t* info,
                          void* userData);
@@ -70,17 +83,24 @@ class UcxChannel final : public Channel {
   void postPiece(Movement& movement, uint32_t piece);
   void copyOut(Movement& movement);
   bool ended(const Movement& movement) const;
-  void finish(Transfer& transfer, void* request, const Status& status);
+  void enqueue(const Completion& completion, bool wakeEngine);
+  bool applyCompletions();
+  void finish(const Completion& completion);
+  ucp_worker_h workerOf(const Movement& movement);
 
-  UcxWorker& worker_;
+  UcxWorker& sendWorker_;
+  UcxReceiveLane& receiveLane_;
   const cuda::FlagSegment& flags_;
   uint64_t pieceBytes_;
   Done onDone_;
   HostStaging staging_;
-  // By op id. A movement ends, and is erased, only in progress(): UCX runs callbacks from
-  // inside the calls that post and cancel.
+  // By op id. Only progress() changes a movement after a post, applying what the callbacks
+  // queued: they run on the receive lane's thread, or inside the calls that post and cancel.
   std::unordered_map<uint64_t, std::unique_ptr<Movement>> movements_;
   std::unordered_map<const Peer*, bool> stagingDecisions_;  // peers live as long as the engine
+  // Filled by callbacks on either thread.
+  mutable std::mutex completionsMutex_;
+  std::vector<Completion> completions_;
   int cudaDevice_ = -1;
   uint64_t hostStagedSends_ = 0;
   uint64_t hostStagedRecvs_ = 0;

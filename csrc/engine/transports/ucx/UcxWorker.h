@@ -6,17 +6,20 @@
 #include <string>
 #include <vector>
 
-#include "engine/Config.h"
+#include "engine/transports/ucx/UcxContext.h"
 
 namespace smfree::engine {
 
 std::string ucxStatusText(ucs_status_t status);
 
-// The process's UCX context and its one worker, driven only by the progress thread
-// (ucp_worker_signal, the one exception, is safe from any thread).
+// A UCX worker with its event fd. A single-threaded one is driven by one thread only
+// (ucp_worker_signal, the one exception, is safe from any thread); a shared one takes posts
+// and cancels from other threads than the one that progresses it.
 class UcxWorker {
  public:
-  explicit UcxWorker(const Config& config);
+  enum class Threads { kSingle, kShared };
+
+  UcxWorker(const UcxContext& context, Threads threads);
   ~UcxWorker();
   UcxWorker(const UcxWorker&) = delete;
   UcxWorker& operator=(const UcxWorker&) = delete;
@@ -30,7 +33,6 @@ class UcxWorker {
   void signal() { ucp_worker_signal(worker_); }
 
  private:
-  ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;
   int eventFd_ = -1;
   std::vector<uint8_t> address_;

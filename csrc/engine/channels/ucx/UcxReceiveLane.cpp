@@ -1,0 +1,55 @@
+#include "engine/channels/ucx/UcxReceiveLane.h"
+
+#include <poll.h>
+#include <sys/prctl.h>
+
+#include "engine/Error.h"
+#include "engine/Log.h"
+#include "engine/cuda/CudaDriver.h"
+
+namespace smfree::engine {
+namespace {
+
+// Longest sleep: stop() wakes the thread through the worker, this only bounds a missed wake.
+constexpr int kIdleSleepMs = 100;
+
+}  // namespace
+
+UcxReceiveLane::UcxReceiveLane(const UcxContext& context, std::chrono::microseconds spin)
+    : worker_(context, UcxWorker::Threads::kShared), spin_(spin), thread_([this] { run(); }) {}
+
+UcxReceiveLane::~UcxReceiveLane() { stop(); }
+
+void UcxReceiveLane::stop() {
+  if (stopping_.exchange(true)) return;
+  worker_.signal();
+  thread_.join();
+}
+
+void UcxReceiveLane::run() {
+  prctl(PR_SET_NAME, "smfree-recv");
+  prctl(PR_SET_TIMERSLACK, 1000UL);  // as the engine's thread: every landed piece passes here
+  cuda::CurrentContext context;
+  auto lastActivity = std::chrono::steady_clock::now();
+  while (!stopping_.load(std::memory_order_acquire)) {
+    if (const int device = cudaDevice_.load(std::memory_order_relaxed); device >= 0) {
+      try {
+        context.use(device);
+      } catch (const Error& error) {
+        logOnce("receive-lane-context", concat("UCX receive thread: ", error.what()));
+      }
+    }
+    bool active = false;
+    while (worker_.progress() != 0) active = true;
+    const auto now = std::chrono::steady_clock::now();
+    if (active) {
+      lastActivity = now;
+      continue;
+    }
+    if (now - lastActivity < spin_ || !worker_.arm()) continue;
+    pollfd event{worker_.eventFd(), POLLIN, 0};
+    poll(&event, 1, kIdleSleepMs);
+  }
+}
+
+}  // namespace smfree::engine

@@ -1,0 +1,43 @@
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <thread>
+
+#include "engine/transports/ucx/UcxContext.h"
+#include "engine/transports/ucx/UcxWorker.h"
+
+namespace smfree::engine {
+
+// The UCX worker that recvs are posted on, progressed by a thread of its own, so that the
+// bytes of recvs move beside those of sends, which the engine's progress thread drives. Over
+// TCP each byte costs a socket copy on both sides; with one thread for both directions, a rank
+// that exchanged with two peers spent that thread fully (70 % of it in the kernel) and took
+// about twice as long as with one peer.
+//
+// Recvs are posted and cancelled from the engine's progress thread (the worker is shared);
+// their callbacks run here or inside those calls.
+class UcxReceiveLane {
+ public:
+  UcxReceiveLane(const UcxContext& context, std::chrono::microseconds spin);
+  ~UcxReceiveLane();
+  UcxReceiveLane(const UcxReceiveLane&) = delete;
+  UcxReceiveLane& operator=(const UcxReceiveLane&) = delete;
+
+  UcxWorker& worker() { return worker_; }
+  // UCX's CUDA transports copy in the current context: from now on, this device's.
+  void useCudaDevice(int device) { cudaDevice_.store(device, std::memory_order_relaxed); }
+  // Joins the thread; recvs still posted stay in the worker.
+  void stop();
+
+ private:
+  void run();
+
+  UcxWorker worker_;
+  const std::chrono::microseconds spin_;
+  std::atomic<int> cudaDevice_{-1};
+  std::atomic<bool> stopping_{false};
+  std::thread thread_;
+};
+
+}  // namespace smfree::engine
