@@ -118,7 +118,7 @@ Engine::Engine(Private)
 }
 
 Engine::~Engine() {
-  stop();
+  stopProgressThread();
   // The progress thread is gone: finish what is left from here.
   for (auto& [id, op] : std::unordered_map<uint64_t, std::shared_ptr<Op>>(live_)) {
     complete(op, Status::failure(StatusCode::kAborted,
@@ -134,6 +134,11 @@ Engine::~Engine() {
 }
 
 void Engine::stop() {
+  stopProgressThread();
+  receiveLane_->stop();
+}
+
+void Engine::stopProgressThread() {
   {
     std::lock_guard<std::mutex> lock(commandsMutex_);
     if (stopping_) {

@@ -68,6 +68,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   void submit(std::function<void()> command);
   template <typename T>
   T call(std::function<T()> command, std::chrono::milliseconds timeout, const char* what);
+  // Stops both threads, the progress thread and the receive lane's: at process exit, before
+  // UCX and CUDA tear down under them.
   void stop();
   // Waits, until `deadline` at most, for the sends whose callers were told their buffers are
   // free (staged UCX sends, UcxSendState) to deliver their bytes: of one group, or of all.
@@ -89,6 +91,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // Blocks the caller until the copy that writes the op's `done` is submitted.
   void awaitQueued(const cuda::Flag& queued, Clock::time_point deadline);
   void waitOnStream(void* stream, int device, const CudaFence& fence);
+  // Joins the progress thread; the receive lane keeps running.
+  void stopProgressThread();
 
   // Progress thread.
   void run();
