@@ -37,7 +37,8 @@ def _stack_file(tmp: str, rank: int) -> str:
 
 
 def _run_rank(fn, rank, world_size, init_file, backend, group_timeout_s, env, args, results):
-    stacks = open(_stack_file(os.path.dirname(init_file), rank), "w")  # noqa: SIM115 - lives as long as the rank
+    # Open as long as the rank lives: faulthandler writes to it from its signal handler.
+    stacks = open(_stack_file(os.path.dirname(init_file), rank), "w")  # noqa: SIM115
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     os.environ.setdefault("SMFREE_LOG_LEVEL", "error")
     os.environ.update(env)
@@ -127,7 +128,8 @@ def _collect(results, procs, world_size, timeout, expect_exit, tmp):
             stacks = _dump_stacks(procs, tmp)
             for proc in procs:
                 proc.kill()
-            raise AssertionError(f"ranks {missing} did not finish within {timeout} s (killed)\n{stacks}")
+            raise AssertionError(
+                f"ranks {missing} did not finish within {timeout} s (killed)\n{stacks}")
         try:
             result = results.get(timeout=min(remaining, 1.0))
             collected[result.rank] = result

@@ -1,5 +1,8 @@
 """Several groups at once, smfree subgroups under another default backend, many threads."""
 
+import os
+import subprocess
+import sys
 import threading
 
 import torch
@@ -125,3 +128,47 @@ def _reinitialize(rank, world, store_dir):
 def test_destroy_and_initialize_again(tmp_path):
     results = run_ranks(_reinitialize, 2, str(tmp_path))
     assert results == [[10.0 * r + 1 for r in range(3)], [10.0 * r for r in range(3)]]
+
+
+EXIT_WITHOUT_TEARDOWN = """
+import datetime, os, sys
+import torch
+import torch.distributed as dist
+import smfree_pg
+rank, store = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("smfree", init_method=f"file://{store}", rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=30))
+got = torch.empty(1 << 18)
+for round_ in range(5):
+    ops = [dist.P2POp(dist.isend, torch.full((1 << 18,), float(10 * round_ + rank)), 1 - rank),
+           dist.P2POp(dist.irecv, got, 1 - rank)]
+    works = dist.batch_isend_irecv(ops)
+    for work in works:
+        work.wait()
+    assert torch.all(got == 10 * round_ + 1 - rank), got
+names = sorted({open(f"/proc/self/task/{t}/comm").read().strip()
+                for t in os.listdir("/proc/self/task")})
+print(" ".join(n for n in names if n.startswith("smfree")))
+# No destroy_process_group(), as Megatron-LM's pretrain ends: the engine lives to the end.
+"""
+
+
+def test_ranks_that_exit_without_destroying_the_group_exit_cleanly(tmp_path):
+    # The engine's two threads must be stopped before UCX's teardown at exit; a thread still
+    # running then can crash the process. Three pairs make a rare crash likelier to show.
+    env = {**os.environ, "SMFREE_LOG_LEVEL": "error"}
+    for attempt in range(3):
+        store = str(tmp_path / f"store{attempt}")
+        ranks = [subprocess.Popen([sys.executable, "-c", EXIT_WITHOUT_TEARDOWN, str(rank), store],
+                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                 for rank in range(2)]
+        try:
+            outputs = [rank.communicate(timeout=60) for rank in ranks]
+        finally:
+            for rank in ranks:
+                rank.kill()
+        errors = [err.decode()[-2000:] for _, err in outputs]
+        assert [rank.returncode for rank in ranks] == [0, 0], errors
+        # Both of the engine's threads ran, under the names the README gives.
+        threads = [out.decode().split() for out, _ in outputs]
+        assert threads == [["smfree-progress", "smfree-recv"]] * 2
