@@ -42,9 +42,11 @@ long parseNonNegative(const char* name, long fallback) {
   return value;
 }
 
-// Spinning pays only where each rank of the host has a core to spin on. 4 ranks on 2 cores,
-// each progress thread spinning 10 ms after every event, took up to 10 x Gloo's time per
-// exchange; without spinning, about Gloo's. torchrun says how many ranks share the host.
+// Spinning pays only where each polling thread of the host's ranks has a core to spin on: two
+// per rank, the progress thread and the receive lane's. 4 ranks on 2 cores, each progress
+// thread spinning 10 ms after every event, took up to 10 x Gloo's time per exchange; without
+// spinning, about Gloo's. So did 2 ranks on 2 cores once each rank had two such threads.
+// torchrun says how many ranks share the host.
 void chooseSpin(Config& config) {
   constexpr long kSpinUs = 10000;
   if (std::getenv("SMFREE_SPIN_US")) {
@@ -61,11 +63,13 @@ void chooseSpin(Config& config) {
   CPU_ZERO(&allowed);
   if (sched_getaffinity(0, sizeof(allowed), &allowed) != 0) return;
   const int cpus = CPU_COUNT(&allowed);
-  if (localRanks > cpus) {
+  constexpr long kPollingThreadsPerRank = 2;
+  if (localRanks * kPollingThreadsPerRank > cpus) {
     config.spin = std::chrono::microseconds(0);
     config.spinNote = concat("SMFREE_SPIN_US unset and ", localRanks,
-                             " ranks on this host (LOCAL_WORLD_SIZE) share ", cpus,
-                             " CPUs: the progress thread sleeps between events instead of "
+                             " ranks on this host (LOCAL_WORLD_SIZE), two polling threads each, "
+                             "share ", cpus,
+                             " CPUs: the engine's threads sleep between events instead of "
                              "spinning");
   }
 }
