@@ -12,6 +12,10 @@ namespace {
 // Buffers come in power-of-two sizes from 64 KiB, so a buffer serves every size of its class.
 constexpr uint64_t kSmallestClass = uint64_t{64} << 10;
 
+// The two directions, as the logs and errors name them.
+constexpr const char* kToHost = "device to host staging";
+constexpr const char* kToDevice = "host staging to device";
+
 uint64_t sizeClass(uint64_t bytes) {
   uint64_t size = kSmallestClass;
   while (size < bytes) size *= 2;
@@ -87,7 +91,7 @@ std::shared_ptr<cuda::Event> HostStaging::copy(Streams& streams, int device, con
 std::shared_ptr<cuda::Event> HostStaging::copyToHost(const Buffer& from,
                                                      const cuda::PinnedMemory& to,
                                                      uint64_t offset, uint64_t bytes) {
-  return copy(toHost_, from.device, "device to host staging",
+  return copy(toHost_, from.device, kToHost,
               static_cast<char*>(to.data()) + offset, static_cast<char*>(from.data) + offset,
               bytes);
 }
@@ -95,17 +99,17 @@ std::shared_ptr<cuda::Event> HostStaging::copyToHost(const Buffer& from,
 std::shared_ptr<cuda::Event> HostStaging::copyToDevice(const cuda::PinnedMemory& from,
                                                        const Buffer& to, uint64_t offset,
                                                        uint64_t bytes) {
-  return copy(toDevice_, to.device, "host staging to device",
+  return copy(toDevice_, to.device, kToDevice,
               static_cast<char*>(to.data) + offset, static_cast<char*>(from.data()) + offset,
               bytes);
 }
 
 void HostStaging::copyToHostAfter(int device, const cuda::Event& event) {
-  event.waitOn(streamOf(toHost_, device, "device to host staging").handle());
+  event.waitOn(streamOf(toHost_, device, kToHost).handle());
 }
 
 void HostStaging::recordAfterCopiesToHost(int device, cuda::Event& event) {
-  event.record(streamOf(toHost_, device, "device to host staging").handle());
+  event.record(streamOf(toHost_, device, kToHost).handle());
 }
 
 uint64_t HostStaging::cachedBytes() const {

@@ -5,7 +5,7 @@
 #include <string>
 
 #include "engine/Error.h"
-#include "engine/transports/ucx/UcxWorker.h"
+#include "engine/transports/ucx/UcxStatus.h"
 
 namespace smfree::engine {
 namespace {
@@ -14,19 +14,15 @@ struct ConfigDeleter {
   void operator()(ucp_config_t* config) const { ucp_config_release(config); }
 };
 
-void check(ucs_status_t status, const std::string& what) {
-  if (status != UCS_OK) fail("UCX ", what, " failed: ", ucxStatusText(status));
-}
-
 // Replaces one of UCX's defaults; the user's UCX_<name> wins.
 void setDefault(ucp_config_t* config, const std::string& name, const std::string& value) {
   if (std::getenv(("UCX_" + name).c_str())) return;
-  check(ucp_config_modify(config, name.c_str(), value.c_str()), "setting " + name);
+  checkUcx(ucp_config_modify(config, name.c_str(), value.c_str()), "setting " + name);
 }
 
 std::unique_ptr<ucp_config_t, ConfigDeleter> readConfig(const Config& config) {
   ucp_config_t* raw = nullptr;
-  check(ucp_config_read(nullptr, nullptr, &raw), "ucp_config_read");
+  checkUcx(ucp_config_read(nullptr, nullptr, &raw), "ucp_config_read");
   std::unique_ptr<ucp_config_t, ConfigDeleter> owned(raw);
   // UCX's default keepalive (tens of seconds) would leave ops to a dead peer hanging that long.
   setDefault(owned.get(), "KEEPALIVE_INTERVAL", concat(config.peerCheck.count(), "ms"));
@@ -47,7 +43,7 @@ UcxContext::UcxContext(const Config& config) {
   params.features = UCP_FEATURE_TAG | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
   params.mt_workers_shared = 1;  // the engine's worker and the receive worker, two threads
   params.name = "smfree";
-  check(ucp_init(&params, ucxConfig.get(), &context_), "ucp_init");
+  checkUcx(ucp_init(&params, ucxConfig.get(), &context_), "ucp_init");
 }
 
 UcxContext::~UcxContext() { ucp_cleanup(context_); }

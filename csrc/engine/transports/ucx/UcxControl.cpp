@@ -32,10 +32,8 @@ UcxControl::UcxControl(UcxWorker& worker, Handler onMessage)
   params.id = kControlMessageId;
   params.cb = &UcxControl::onReceive;
   params.arg = this;
-  const ucs_status_t status = ucp_worker_set_am_recv_handler(worker_.handle(), &params);
-  if (status != UCS_OK) {
-    fail("UCX ucp_worker_set_am_recv_handler failed: ", ucxStatusText(status));
-  }
+  checkUcx(ucp_worker_set_am_recv_handler(worker_.handle(), &params),
+           "ucp_worker_set_am_recv_handler");
 }
 
 void UcxControl::send(UcxEndpoint& endpoint, std::vector<uint8_t> message,

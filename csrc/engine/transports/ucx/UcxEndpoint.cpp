@@ -3,7 +3,7 @@
 #include <chrono>
 
 #include "engine/Error.h"
-#include "engine/transports/ucx/UcxWorker.h"
+#include "engine/transports/ucx/UcxStatus.h"
 
 namespace smfree::engine {
 
@@ -17,10 +17,7 @@ UcxEndpoint::UcxEndpoint(ucp_worker_h worker, const std::vector<uint8_t>& addres
   params.err_mode = peerFailureHandling ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
   params.err_handler.cb = &UcxEndpoint::onError;
   params.err_handler.arg = this;
-  const ucs_status_t status = ucp_ep_create(worker_, &params, &endpoint_);
-  if (status != UCS_OK) {
-    fail("UCX ucp_ep_create failed: ", ucxStatusText(status));
-  }
+  checkUcx(ucp_ep_create(worker_, &params, &endpoint_), "ucp_ep_create");
 }
 
 UcxEndpoint::~UcxEndpoint() {

@@ -8,7 +8,7 @@
 #include <sstream>
 
 #include "engine/Error.h"
-#include "engine/transports/ucx/UcxWorker.h"
+#include "engine/transports/ucx/UcxStatus.h"
 
 namespace smfree::engine {
 namespace {
@@ -39,10 +39,7 @@ UcxReport ucxReport() {
   params.field_mask = UCP_PARAM_FIELD_FEATURES;
   params.features = UCP_FEATURE_TAG | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
   ucp_context_h raw = nullptr;
-  const ucs_status_t status = ucp_init(&params, nullptr, &raw);
-  if (status != UCS_OK) {
-    fail("UCX ucp_init failed: ", ucxStatusText(status));
-  }
+  checkUcx(ucp_init(&params, nullptr, &raw), "ucp_init");
   std::unique_ptr<ucp_context, ContextDeleter> context(raw);
   char* buffer = nullptr;
   size_t size = 0;

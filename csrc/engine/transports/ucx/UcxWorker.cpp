@@ -1,26 +1,13 @@
 #include "engine/transports/ucx/UcxWorker.h"
 
-#include "engine/Error.h"
-
 namespace smfree::engine {
-namespace {
-
-void check(ucs_status_t status, const char* what) {
-  if (status != UCS_OK) {
-    fail("UCX ", what, " failed: ", ucxStatusText(status));
-  }
-}
-
-}  // namespace
-
-std::string ucxStatusText(ucs_status_t status) { return ucs_status_string(status); }
 
 UcxWorker::UcxWorker(const UcxContext& context, Threads threads) {
   ucp_worker_params_t workerParams{};
   workerParams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
   workerParams.thread_mode =
       threads == Threads::kShared ? UCS_THREAD_MODE_MULTI : UCS_THREAD_MODE_SINGLE;
-  check(ucp_worker_create(context.handle(), &workerParams, &worker_), "ucp_worker_create");
+  checkUcx(ucp_worker_create(context.handle(), &workerParams, &worker_), "ucp_worker_create");
   ucp_address_t* address = nullptr;
   size_t length = 0;
   ucs_status_t status = ucp_worker_get_address(worker_, &address, &length);
@@ -32,7 +19,7 @@ UcxWorker::UcxWorker(const UcxContext& context, Threads threads) {
   }
   if (status != UCS_OK) {
     ucp_worker_destroy(worker_);
-    check(status, "worker address or event fd");
+    checkUcx(status, "worker address or event fd");
   }
 }
 
@@ -43,7 +30,7 @@ bool UcxWorker::arm() {
   if (status == UCS_ERR_BUSY) {
     return false;
   }
-  check(status, "ucp_worker_arm");
+  checkUcx(status, "ucp_worker_arm");
   return true;
 }
 

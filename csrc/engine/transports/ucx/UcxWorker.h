@@ -3,14 +3,12 @@
 #include <ucp/api/ucp.h>
 
 #include <cstdint>
-#include <string>
 #include <vector>
 
 #include "engine/transports/ucx/UcxContext.h"
+#include "engine/transports/ucx/UcxStatus.h"
 
 namespace smfree::engine {
-
-std::string ucxStatusText(ucs_status_t status);
 
 // A UCX worker with its event fd. A single-threaded one is driven by one thread only
 // (ucp_worker_signal, the one exception, is safe from any thread); a shared one takes posts
