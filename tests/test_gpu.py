@@ -1,6 +1,5 @@
 """Same-host CUDA point-to-point on the copy engines. Needs at least 2 GPUs (marked gpu)."""
 
-import datetime
 import os
 import random
 import subprocess
@@ -165,37 +164,6 @@ def test_send_buffer_may_be_overwritten_once_wait_returns():
     rounds = 4
     seen = run_ranks(_overwrite_after_wait, 2, 16 << 20, rounds, cuda=True)[1]
     assert seen == [(float(r + 1), float(r + 1)) for r in range(rounds)], seen
-
-
-def _send_waited_before_recv_posted(rank, world, numel):
-    # Rank 1 posts its recv only after rank 0's send.wait() has returned and rank 0 has
-    # overwritten the buffer on its stream: a wait() that needed the receiver would hang here.
-    dev = torch.device("cuda", rank)
-    store = dist.distributed_c10d._get_default_store()
-    if rank == 0:
-        buf = filled(numel, torch.float32, 0, dev)
-        expected = buf.sum().item()
-        dist.isend(buf, 1).wait()
-        buf.fill_(-1.0)
-        store.set("send waited", "1")
-        torch.cuda.synchronize()
-        return expected
-    store.wait(["send waited"], datetime.timedelta(seconds=20))
-    got = torch.zeros(numel, device=dev)
-    dist.irecv(got, 0).wait()
-    return torch.equal(got, filled(numel, torch.float32, 0, dev)), got.sum().item()
-
-
-@ucx_only
-@pytest.mark.skipif(not UCX_TCP_ONLY, reason="staged sends only: UCX has TCP alone")
-@pytest.mark.parametrize("receiver_pieces", ["3145728", "6291456"], ids=["3MiB", "6MiB"])
-def test_staged_send_wait_returns_before_the_receiver_posts(receiver_pieces):
-    # 20 MB: the sender copies out 4 MiB pieces, the receiver asks for pieces of another size.
-    numel = 5_000_001
-    sent, (equal, received) = run_ranks(
-        _send_waited_before_recv_posted, 2, numel, cuda=True,
-        rank_env={1: {"SMFREE_HOST_STAGING_PIECE_BYTES": receiver_pieces}})
-    assert equal and received == sent, (sent, received)
 
 
 def _crossed_unbatched(rank, world, nbytes):

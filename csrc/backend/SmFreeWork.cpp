@@ -105,10 +105,10 @@ bool SmFreeWork::wait(std::chrono::milliseconds timeout) {
   }
   // CUDA work on the copy engines makes the current stream wait for the copy, as with NCCL.
   // The CPU waits only until the partner has posted and the copy is submitted (never for the
-  // bytes), unless a timeout asks it to wait for the end. A CUDA send that UCX moves from
-  // pinned host memory is fenced the same way, on its copy out, which is submitted at its post;
-  // other CUDA sends over UCX set `queued` only when they end. Ops without fences (CPU
-  // tensors, CUDA recvs over UCX) are waited for on the CPU: UCX is not stream-aware.
+  // bytes), unless a timeout asks it to wait for the end. So does a CUDA send that UCX moves
+  // from pinned host memory (its copy out); other CUDA sends over UCX set `queued` only when
+  // they end. Ops without fences (CPU tensors, CUDA recvs over UCX) are waited for on the
+  // CPU: UCX is not stream-aware.
   try {
     if (timeout != kNoTimeout) {
       waitFinished(timeout);

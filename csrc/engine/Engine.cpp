@@ -484,13 +484,6 @@ void Engine::startOp(const std::shared_ptr<Op>& op) {
     }
     if (op->isSend()) {
       op->seq = group->sendSeq[{op->request.peer, op->request.tag}]++;
-      try {
-        channelFor(*op).prepareSend(op, *peer);
-      } catch (const Error& error) {
-        // Announced all the same, to keep its place in the receiver's line; the clear-to-send
-        // then finds it failed and tells the receiver.
-        complete(op, Status::failure(StatusCode::kTransport, error.what()));
-      }
       sendControl(*peer, ReadyToSend{op->groupId, group->config->rank, op->request.tag, op->seq,
                                      op->id, op->request.desc, channelKindOf(*op)});
       return;
@@ -718,8 +711,7 @@ void Engine::expire(const std::shared_ptr<Op>& op, Clock::time_point now) {
   const bool moving = op->phase == Op::Phase::kMoving;
   const std::string why = concat(
       op->describe(),
-      moving ? " did not finish"
-             : (op->isSend() ? " was not matched by a recv" : " was not matched by a send"),
+      moving ? " did not finish" : (op->isSend() ? " was not matched by a recv" : " was not matched by a send"),
       " within the group timeout of ", limit, " ms (posted ", age, " ms ago)");
   complete(op, Status::failure(StatusCode::kTimeout, why));
   if (moving) {

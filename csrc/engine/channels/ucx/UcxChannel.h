@@ -27,23 +27,21 @@ namespace smfree::engine {
 // caller's stream waits for the copy out, queued before that wait (UcxSendState).
 //
 // Toward a peer that UCX reaches over TCP alone, CUDA buffers go through pinned host memory
-// (HostStaging), in pieces so that copies and the network overlap. A staged send is copied
-// out when it is posted, before its receiver has matched it, so that its caller's stream, not
-// its CPU, waits for the buffer to be free. The receiver chooses the pieces that UCX moves and
-// names them in its clear-to-send: each goes to UCX as soon as the bytes it spans are copied
-// out (a sender that does not stage sends them straight from its buffer), and each piece of a
-// recv is copied in as soon as it has landed (and the stream has reached the recv).
+// (HostStaging), in pieces so that copies and the network overlap: each piece of a send is
+// handed to UCX as soon as the copy engine has copied it out, and each piece of a recv is
+// copied in as soon as it has landed (and the stream has reached the recv). The receiver
+// chooses the pieces and tells the sender with its clear-to-send; a sender that does not
+// stage sends the same pieces straight from its buffer.
 class UcxChannel final : public Channel {
  public:
-  // `pieceBytes`: size of the pieces of a staged recv, and of a staged send's copies out
-  // (SMFREE_HOST_STAGING_PIECE_BYTES); 0 for one piece.
+  // `pieceBytes`: size of the pieces of a staged recv (SMFREE_HOST_STAGING_PIECE_BYTES); 0 for
+  // one piece.
   // `sendWorker` is the engine's (its thread calls every method here); `receiveLane` the one
   // that recvs are posted on.
   UcxChannel(UcxWorker& sendWorker, UcxReceiveLane& receiveLane, const cuda::FlagSegment& flags,
              uint64_t pieceBytes, Done onDone);
   ~UcxChannel() override;
 
-  void prepareSend(const std::shared_ptr<Op>& send, Peer& destination) override;
   std::string armRecv(const std::shared_ptr<Op>& recv, Peer& source) override;
   void startSend(const std::shared_ptr<Op>& send, Peer& destination,
                  const std::string& channelData) override;
@@ -74,11 +72,11 @@ class UcxChannel final : public Channel {
   // Decided, and logged, once per peer.
   bool stagesThroughHost(const Op& op, Peer& peer);
   bool onlyTcpToward(const Peer& peer) const;
-  Movement& track(const std::shared_ptr<Op>& op, Peer* destination);
+  Movement& track(const std::shared_ptr<Op>& op, Peer* destination, ucp_tag_t tag,
+                  uint64_t pieceBytes);
   // Moves what the movement's state allows; true if anything changed.
   bool advance(Movement& movement);
   bool startOnceStreamReached(Movement& movement);
-  bool countCopiedOut(Movement& movement);
   bool transmitCopiedPieces(Movement& movement);
   bool copyInLandedPieces(Movement& movement);
   bool countCopiedInPieces(Movement& movement);
