@@ -711,7 +711,8 @@ void Engine::expire(const std::shared_ptr<Op>& op, Clock::time_point now) {
   const bool moving = op->phase == Op::Phase::kMoving;
   const std::string why = concat(
       op->describe(),
-      moving ? " did not finish" : (op->isSend() ? " was not matched by a recv" : " was not matched by a send"),
+      moving ? " did not finish"
+             : (op->isSend() ? " was not matched by a recv" : " was not matched by a send"),
       " within the group timeout of ", limit, " ms (posted ", age, " ms ago)");
   complete(op, Status::failure(StatusCode::kTimeout, why));
   if (moving) {
