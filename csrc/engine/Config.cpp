@@ -96,6 +96,11 @@ Config Config::fromEnv() {
       static_cast<uint64_t>(parseNonNegative("SMFREE_STAGING_BYTES", 16 << 20));
   config.hostStagingPieceBytes =
       static_cast<uint64_t>(parseNonNegative("SMFREE_HOST_STAGING_PIECE_BYTES", 4 << 20));
+  config.dataEndpoints = static_cast<size_t>(parseNonNegative("SMFREE_UCX_DATA_ENDPOINTS", 1));
+  constexpr size_t kMostDataEndpoints = 16;
+  if (config.dataEndpoints == 0 || config.dataEndpoints > kMostDataEndpoints) {
+    fail("SMFREE_UCX_DATA_ENDPOINTS must be between 1 and ", kMostDataEndpoints);
+  }
   return config;
 }
 
