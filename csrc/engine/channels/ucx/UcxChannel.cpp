@@ -245,6 +245,11 @@ void UcxChannel::postPiece(Movement& movement, uint32_t piece) {
   void* data = base + movement.offsetOf(piece);
   const uint64_t bytes = movement.bytesOf(piece);
   const ucp_tag_t tag = movement.tag + piece;
+  if (movement.isSend() && movement.destination->dataEndpoints.empty()) {
+    movement.failure = Status::failure(
+        StatusCode::kPeerFailure, concat(op.describe(), ": its peer's endpoints are closed"));
+    return;
+  }
 
   auto transfer = std::make_unique<Transfer>(Transfer{this, &movement, piece});
   ucp_request_param_t params{};
