@@ -23,6 +23,14 @@ def engine_log(**env):
     return result.stderr
 
 
+def refused(**env):
+    """A one-rank init under `env` that must fail; its completed process."""
+    result = subprocess.run([sys.executable, "-c", ONE_RANK], capture_output=True, text=True,
+                            timeout=120, env=dict(os.environ, **env))
+    assert result.returncode != 0, result.stderr
+    return result
+
+
 def test_no_spinning_where_the_ranks_polling_threads_outnumber_the_cpus():
     cpus = len(os.sched_getaffinity(0))
     ranks = cpus // 2 + 1
@@ -42,15 +50,11 @@ def test_spinning_where_each_polling_thread_has_a_cpu_or_the_user_chose(env):
                                   "SMFREE_SPIN_US", "SMFREE_UCX_DATA_ENDPOINTS"])
 @pytest.mark.parametrize("value", ["4M", "-1"])
 def test_a_size_that_is_not_a_count_of_bytes_is_refused_by_name(name, value):
-    result = subprocess.run([sys.executable, "-c", ONE_RANK], capture_output=True, text=True,
-                            timeout=120, env=dict(os.environ, **{name: value}))
-    assert result.returncode != 0
+    result = refused(**{name: value})
     assert f"{name}='{value}' is not a non-negative integer" in result.stderr, result.stderr
 
 
 @pytest.mark.parametrize("value", ["0", "17"])
 def test_data_endpoints_outside_their_range_are_refused(value):
-    result = subprocess.run([sys.executable, "-c", ONE_RANK], capture_output=True, text=True,
-                            timeout=120, env=dict(os.environ, SMFREE_UCX_DATA_ENDPOINTS=value))
-    assert result.returncode != 0
+    result = refused(SMFREE_UCX_DATA_ENDPOINTS=value)
     assert "SMFREE_UCX_DATA_ENDPOINTS must be between 1 and 16" in result.stderr, result.stderr

@@ -42,6 +42,15 @@ long parseNonNegative(const char* name, long fallback) {
   return value;
 }
 
+// A count that must lie in [low, high].
+size_t parseBetween(const char* name, long fallback, long low, long high) {
+  const long value = parseNonNegative(name, fallback);
+  if (value < low || value > high) {
+    fail(name, " must be between ", low, " and ", high);
+  }
+  return static_cast<size_t>(value);
+}
+
 // Spinning pays only where each polling thread of the host's ranks has a core to spin on: two
 // per rank, the progress thread and the receive lane's. 4 ranks on 2 cores, each progress
 // thread spinning 10 ms after every event, took up to 10 x Gloo's time per exchange; without
@@ -85,22 +94,14 @@ Config Config::fromEnv() {
   if (config.ipcCacheSize == 0) {
     fail("SMFREE_IPC_CACHE_SIZE must be at least 1");
   }
-  config.maxCudaOps = static_cast<size_t>(parseNonNegative("SMFREE_MAX_CUDA_OPS", 1024));
-  constexpr size_t kMostCudaOps =
-      (cuda::FlagSegment::kWords - kStagingFlagWords) / kFlagsPerCudaOp;
-  if (config.maxCudaOps == 0 || config.maxCudaOps > kMostCudaOps) {
-    fail("SMFREE_MAX_CUDA_OPS must be between 1 and ", kMostCudaOps);
-  }
+  constexpr long kMostCudaOps = (cuda::FlagSegment::kWords - kStagingFlagWords) / kFlagsPerCudaOp;
+  config.maxCudaOps = parseBetween("SMFREE_MAX_CUDA_OPS", 1024, 1, kMostCudaOps);
   config.transport = parseTransport(std::getenv("SMFREE_TRANSPORT"));
   config.stagingBytes =
       static_cast<uint64_t>(parseNonNegative("SMFREE_STAGING_BYTES", 16 << 20));
   config.hostStagingPieceBytes =
       static_cast<uint64_t>(parseNonNegative("SMFREE_HOST_STAGING_PIECE_BYTES", 4 << 20));
-  config.dataEndpoints = static_cast<size_t>(parseNonNegative("SMFREE_UCX_DATA_ENDPOINTS", 1));
-  constexpr size_t kMostDataEndpoints = 16;
-  if (config.dataEndpoints == 0 || config.dataEndpoints > kMostDataEndpoints) {
-    fail("SMFREE_UCX_DATA_ENDPOINTS must be between 1 and ", kMostDataEndpoints);
-  }
+  config.dataEndpoints = parseBetween("SMFREE_UCX_DATA_ENDPOINTS", 1, 1, 16);
   return config;
 }
 
