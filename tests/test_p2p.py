@@ -140,11 +140,8 @@ def _interleaved_tags(rank, world):
     return received
 
 
-# With several data endpoints per peer, consecutive messages cross different connections and
-# may land out of order: matching must not depend on it.
-@pytest.mark.parametrize("endpoints", ["1", "3"])
-def test_interleaved_tags_match_per_tag_in_posting_order(endpoints):
-    _, received = run_ranks(_interleaved_tags, 2, env={"SMFREE_UCX_DATA_ENDPOINTS": endpoints})
+def test_interleaved_tags_match_per_tag_in_posting_order():
+    _, received = run_ranks(_interleaved_tags, 2)
     assert received == {(tag, i): float(10 * tag + i) for tag in (0, 1, 2) for i in range(3)}
 
 

@@ -47,14 +47,15 @@ def test_spinning_where_each_polling_thread_has_a_cpu_or_the_user_chose(env):
 
 
 @pytest.mark.parametrize("name", ["SMFREE_HOST_STAGING_PIECE_BYTES", "SMFREE_STAGING_BYTES",
-                                  "SMFREE_SPIN_US", "SMFREE_UCX_DATA_ENDPOINTS"])
+                                  "SMFREE_SPIN_US"])
 @pytest.mark.parametrize("value", ["4M", "-1"])
 def test_a_size_that_is_not_a_count_of_bytes_is_refused_by_name(name, value):
     result = refused(**{name: value})
     assert f"{name}='{value}' is not a non-negative integer" in result.stderr, result.stderr
 
 
-@pytest.mark.parametrize("value", ["0", "17"])
-def test_data_endpoints_outside_their_range_are_refused(value):
-    result = refused(SMFREE_UCX_DATA_ENDPOINTS=value)
-    assert "SMFREE_UCX_DATA_ENDPOINTS must be between 1 and 16" in result.stderr, result.stderr
+
+@pytest.mark.parametrize("value", ["0", "5377"])
+def test_cuda_ops_in_flight_outside_their_range_are_refused(value):
+    result = refused(SMFREE_MAX_CUDA_OPS=value)
+    assert "SMFREE_MAX_CUDA_OPS must be between 1 and 5376" in result.stderr, result.stderr

@@ -101,7 +101,6 @@ Config Config::fromEnv() {
       static_cast<uint64_t>(parseNonNegative("SMFREE_STAGING_BYTES", 16 << 20));
   config.hostStagingPieceBytes =
       static_cast<uint64_t>(parseNonNegative("SMFREE_HOST_STAGING_PIECE_BYTES", 4 << 20));
-  config.dataEndpoints = parseBetween("SMFREE_UCX_DATA_ENDPOINTS", 1, 1, 16);
   return config;
 }
 

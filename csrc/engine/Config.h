@@ -37,9 +37,6 @@ struct Config {
   // Size of the pieces in which CUDA tensors cross pinned host memory toward peers UCX reaches
   // over TCP only (SMFREE_HOST_STAGING_PIECE_BYTES); 0 moves each tensor in one piece.
   uint64_t hostStagingPieceBytes;
-  // Endpoints per peer for data (SMFREE_UCX_DATA_ENDPOINTS): the pieces of a tensor take them
-  // in turn, so over TCP they cross several connections at once.
-  size_t dataEndpoints;
 
   static Config fromEnv();
 };

@@ -308,8 +308,8 @@ void Engine::checkPeers() {
     if (peer->failed && peer->sameHost && peer->endpoint) {
       peer->endpoint->peerGone();
       peer->endpoint.reset();
-      for (auto& data : peer->dataEndpoints) data->peerGone();
-      peer->dataEndpoints.clear();
+      peer->dataEndpoint->peerGone();
+      peer->dataEndpoint.reset();
     }
   }
 }
@@ -386,10 +386,8 @@ void Engine::attachPeer(uint64_t groupId, int rank, const PeerAddress& address) 
     };
     peer->endpoint = std::make_unique<UcxEndpoint>(worker_->handle(), address.workerAddress,
                                                    !peer->sameHost, onError);
-    for (size_t i = 0; i < config_.dataEndpoints; ++i) {
-      peer->dataEndpoints.push_back(std::make_unique<UcxEndpoint>(
-          worker_->handle(), address.receiveWorkerAddress, !peer->sameHost, onError));
-    }
+    peer->dataEndpoint = std::make_unique<UcxEndpoint>(
+        worker_->handle(), address.receiveWorkerAddress, !peer->sameHost, onError);
   }
   group->peers[rank] = peer.get();
 }

@@ -34,11 +34,10 @@ struct Peer {
   PeerAddress address;
   bool sameHost = false;
   std::unique_ptr<ProcessWatch> watch;  // same-host peers: UCX cannot notice their death
-  // To its engine's worker, and to its receive lane (SMFREE_UCX_DATA_ENDPOINTS of them, each
-  // its own connection, which pieces take in turn); null and empty once a failed same-host
-  // peer was closed.
+  // To its engine's worker and to its receive lane; null once a failed same-host peer was
+  // closed.
   std::unique_ptr<UcxEndpoint> endpoint;
-  std::vector<std::unique_ptr<UcxEndpoint>> dataEndpoints;
+  std::unique_ptr<UcxEndpoint> dataEndpoint;
   std::unique_ptr<cuda::RemoteFlagSegment> flags;  // mapped on the first CUDA transfer
   bool failed = false;
   std::string failure;

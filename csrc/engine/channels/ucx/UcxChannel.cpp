@@ -105,16 +105,14 @@ bool UcxChannel::streamReached(const Op& op) const {
 
 bool UcxChannel::stagesThroughHost(const Op& op, Peer& peer) {
   const Buffer& buffer = op.request.buffer;
-  if (buffer.memory != MemoryKind::kCuda || buffer.bytes == 0 || peer.dataEndpoints.empty()) {
-    return false;
-  }
+  if (buffer.memory != MemoryKind::kCuda || buffer.bytes == 0 || !peer.dataEndpoint) return false;
   auto [decision, first] = stagingDecisions_.try_emplace(&peer, false);
   if (first) decision->second = onlyTcpToward(peer);
   return decision->second;
 }
 
 bool UcxChannel::onlyTcpToward(const Peer& peer) const {
-  const auto transports = peer.dataEndpoints.front()->transports();
+  const auto transports = peer.dataEndpoint->transports();
   if (!transports) {
     logOnce("ucx-transports-unknown",
             "this UCX cannot list an endpoint's transports (UCX < 1.14): CUDA tensors go to "
@@ -245,9 +243,9 @@ void UcxChannel::postPiece(Movement& movement, uint32_t piece) {
   void* data = base + movement.offsetOf(piece);
   const uint64_t bytes = movement.bytesOf(piece);
   const ucp_tag_t tag = movement.tag + piece;
-  if (movement.isSend() && movement.destination->dataEndpoints.empty()) {
+  if (movement.isSend() && !movement.destination->dataEndpoint) {
     movement.failure = Status::failure(
-        StatusCode::kPeerFailure, concat(op.describe(), ": its peer's endpoints are closed"));
+        StatusCode::kPeerFailure, concat(op.describe(), ": its peer's data endpoint is closed"));
     return;
   }
 
@@ -269,10 +267,8 @@ void UcxChannel::postPiece(Movement& movement, uint32_t piece) {
   void* request = nullptr;
   if (movement.isSend()) {
     params.cb.send = &UcxChannel::onSent;
-    // Pieces take the peer's endpoints in turn: over TCP each is a connection of its own.
-    const auto& endpoints = movement.destination->dataEndpoints;
-    const UcxEndpoint& endpoint = *endpoints[sentPieces_++ % endpoints.size()];
-    request = ucp_tag_send_nbx(endpoint.handle(), data, bytes, tag, &params);
+    request = ucp_tag_send_nbx(movement.destination->dataEndpoint->handle(), data, bytes, tag,
+                               &params);
   } else {
     params.cb.recv = &UcxChannel::onReceived;
     request = ucp_tag_recv_nbx(receiveLane_.worker().handle(), data, bytes, tag, kFullMask,

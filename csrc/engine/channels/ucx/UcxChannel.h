@@ -104,7 +104,6 @@ class UcxChannel final : public Channel {
   int cudaDevice_ = -1;
   uint64_t hostStagedSends_ = 0;
   uint64_t hostStagedRecvs_ = 0;
-  uint64_t sentPieces_ = 0;  // picks each piece's endpoint toward its peer
 };
 
 }  // namespace smfree::engine
