@@ -143,6 +143,24 @@ def test_stream_semantics_of_send_and_recv():
         assert posted_in < 0.05, f"isend + wait blocked the CPU for {posted_in:.3f} s"
 
 
+def _any_source_into_cuda(rank, world):
+    dev = torch.device("cuda", rank)
+    if rank == 1:
+        exchange(torch.ones(4, device=dev), torch.empty(4, device=dev), 0)  # connect first
+        torch.cuda._sleep(400_000_000)  # the copy waits for this on the GPU, not the recv's CPU
+        dist.send(torch.full((1 << 20,), 5.0, device=dev), 0, tag=3)
+        torch.cuda.synchronize()
+        return None
+    exchange(torch.ones(4, device=dev), torch.empty(4, device=dev), 1)
+    buf = torch.zeros(1 << 20, device=dev)
+    source = dist.recv(buf, tag=3)  # no src: wait() on a recv from any source, then its source
+    return source, buf.min().item(), buf.max().item()
+
+
+def test_cuda_recv_from_any_source_reports_its_sender():
+    assert run_ranks(_any_source_into_cuda, 2, cuda=True)[0] == (1, 5.0, 5.0)
+
+
 def _overwrite_after_wait(rank, world, numel, rounds):
     dev = torch.device("cuda", rank)
     if rank == 0:

@@ -137,6 +137,10 @@ c10::intrusive_ptr<c10d::Work> SmFreeBackend::pointToPoint(engine::OpKind kind,
     work->onOpDone(status, source, cpuWaited);
     if (batch) batch->onOpDone(status, source, cpuWaited);
   };
+  if (peer == engine::kAnySource) {
+    // wait() on a CUDA recv may return before the recv ends; its source is known by then.
+    request.onMatched = [work](int source) { work->onMatched(source); };
+  }
   try {
     auto fence = group_->post(std::move(request));
     TORCH_INTERNAL_ASSERT(fence.has_value() != cpuWaited,

@@ -56,6 +56,11 @@ void SmFreeWork::onOpDone(const engine::Status& status, int source, bool cpuWait
   completeIfDone(lock);
 }
 
+void SmFreeWork::onMatched(int source) {
+  std::lock_guard<std::mutex> lock(stateMutex_);
+  source_ = source;
+}
+
 void SmFreeWork::completeIfDone(std::unique_lock<std::mutex>& lock) {
   if (!sealed_ || pending_ > 0 || finished_) {
     return;
@@ -89,9 +94,8 @@ std::exception_ptr SmFreeWork::exception() const {
 
 int SmFreeWork::sourceRank() const {
   std::lock_guard<std::mutex> lock(stateMutex_);
-  TORCH_CHECK(finished_ && source_ >= 0,
-              "smfree: sourceRank() is known only once a recv has completed (",
-              label_.describe(), ")");
+  TORCH_CHECK(source_ >= 0, "smfree: sourceRank() is known only once a recv has matched its "
+              "sender, as it has when wait() returns (", label_.describe(), ")");
   return source_;
 }
 

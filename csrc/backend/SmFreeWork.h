@@ -39,6 +39,8 @@ class SmFreeWork final : public c10d::Work {
   void addStreamFence(std::shared_ptr<engine::Group> group, int device, engine::CudaFence fence);
   void seal();      // no more ops will be added
   void onOpDone(const engine::Status& status, int source, bool cpuWaited);
+  // A recv from any source has matched `source`'s send, before wait() can return.
+  void onMatched(int source);
 
   bool isCompleted() override;
   bool isSuccess() const override;

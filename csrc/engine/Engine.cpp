@@ -542,6 +542,7 @@ void Engine::onMatched(GroupState& group, Matcher::Match& match) {
     return;
   }
   recv->source = rts.source;
+  if (recv->request.onMatched) recv->request.onMatched(rts.source);
   if (recv->cuda && !sender->sameHost && rts.desc.compatibleWith(recv->request.desc)) {
     const std::string why = crossHostCuda(*recv, *sender);
     complete(recv, Status::failure(StatusCode::kTransport, why));

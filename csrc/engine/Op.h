@@ -39,6 +39,9 @@ struct OpRequest {
   TensorDesc desc;
   std::shared_ptr<void> keepalive;  // the caller's memory, held until no transport touches it
   OpCallback onComplete;
+  // Recvs from any source: runs on the progress thread with the sender's rank once the op has
+  // matched a send, before any of its bytes move.
+  std::function<void(int source)> onMatched;
   void* stream = nullptr;  // CUDA buffers: the caller's current stream (CUstream)
 };
 
