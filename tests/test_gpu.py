@@ -143,6 +143,39 @@ def test_stream_semantics_of_send_and_recv():
         assert posted_in < 0.05, f"isend + wait blocked the CPU for {posted_in:.3f} s"
 
 
+def _recv_behind_a_busy_stream(rank, world, numel):
+    # The receiver's stream is busy for about a second, and a consumer still reads the old
+    # contents behind that; the sender's bytes are ready at once.
+    dev = torch.device("cuda", rank)
+    exchange(torch.ones(4, device=dev), torch.empty(4, device=dev), 1 - rank)  # connect first
+    torch.cuda.synchronize()
+    if rank == 0:
+        dist.send(_numbered(5, numel, dev), 1)
+        torch.cuda.synchronize()
+        return None
+    buf = torch.full((numel,), -1, dtype=torch.int32, device=dev)
+    torch.cuda._sleep(2_000_000_000)
+    reached = torch.cuda.Event()
+    reached.record()
+    snapshot = buf.clone()
+    dist.irecv(buf, 0).wait()
+    returned_before_the_stream_got_there = not reached.query()
+    after = buf.clone()  # stream-ordered after the recv
+    torch.cuda.synchronize()
+    return (returned_before_the_stream_got_there, bool(torch.all(snapshot == -1)),
+            torch.equal(after, _numbered(5, numel, dev)))
+
+
+def test_recv_wait_leaves_the_stream_to_wait_for_the_copy():
+    early, old_contents_read, received = run_ranks(
+        _recv_behind_a_busy_stream, 2, (16 << 20) // 4 + 3, cuda=True)[1]
+    assert old_contents_read, "the recv overwrote the buffer before earlier work on it finished"
+    assert received, "the stream read the buffer before the recv had written it"
+    # Over UCX a recv into CUDA memory that UCX writes itself (not staged through pinned host
+    # memory) is waited for on the CPU, which needs the stream to reach the recv first.
+    assert early == (not OVER_UCX or UCX_TCP_ONLY)
+
+
 def _any_source_into_cuda(rank, world):
     dev = torch.device("cuda", rank)
     if rank == 1:

@@ -91,13 +91,8 @@ c10::intrusive_ptr<c10d::Work> SmFreeBackend::pointToPoint(engine::OpKind kind,
   }
 
   const bool isSend = kind == engine::OpKind::kSend;
-  bool cpuWaited = true;
-  try {
-    cpuWaited = !group_->fencesOnStream(
-        kind, peer, onCuda ? engine::MemoryKind::kCuda : engine::MemoryKind::kHost);
-  } catch (const engine::Error& error) {
-    C10_THROW_ERROR(DistBackendError, error.what());
-  }
+  // CUDA ops fence the caller's stream; the CPU waits for the rest (UCX is not stream-aware).
+  const bool cpuWaited = !onCuda;
   auto work = c10::make_intrusive<SmFreeWork>(
       isSend ? c10d::OpType::SEND : (peer == engine::kAnySource ? c10d::OpType::RECVANYSOURCE
                                                                  : c10d::OpType::RECV),

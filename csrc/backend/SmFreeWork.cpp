@@ -107,12 +107,11 @@ bool SmFreeWork::wait(std::chrono::milliseconds timeout) {
     std::lock_guard<std::mutex> lock(stateMutex_);
     fences = fences_;
   }
-  // CUDA work on the copy engines makes the current stream wait for the copy, as with NCCL.
-  // The CPU waits only until the partner has posted and the copy is submitted (never for the
-  // bytes), unless a timeout asks it to wait for the end. So does a CUDA send that UCX moves
-  // from pinned host memory (its copy out); other CUDA sends over UCX set `queued` only when
-  // they end. Ops without fences (CPU tensors, CUDA recvs over UCX) are waited for on the
-  // CPU: UCX is not stream-aware.
+  // A CUDA op makes the current stream wait for its copy, as with NCCL, and the CPU waits only
+  // until that copy is submitted: on the copy engines once the partner has posted, through
+  // pinned host memory (UCX over TCP) once a send is cleared or a recv's bytes have landed.
+  // Other CUDA ops over UCX set `queued` only when they end, and CPU tensors are waited for on
+  // the CPU: UCX is not stream-aware. A timeout makes the CPU wait for the end.
   try {
     if (timeout != kNoTimeout) {
       waitFinished(timeout);

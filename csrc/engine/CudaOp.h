@@ -37,15 +37,17 @@ struct CudaOpState {
   std::shared_ptr<cuda::Event> copied;
 };
 
-// The stream-side state of a CUDA send over UCX. UCX is not stream-aware, so the caller's CPU
-// waits for such a send to end; but a send staged through host memory needs its buffer only
-// until the copy engine has copied it out, so there the caller's stream waits for that copy
-// instead (`copied`) and the CPU only for it to be queued (`queued`). An unstaged send sets
-// `queued` when it ends, and never records `copied`.
-struct UcxSendState {
+// The stream-side state of a CUDA op over UCX. UCX is not stream-aware, so the caller's CPU
+// waits for such an op to end; but an op staged through host memory touches the buffer only
+// with copy engines, so there the caller's stream waits for those copies (`copied`) and the
+// CPU only for them to be queued (`queued`): a send's copy out once its receiver has cleared
+// it, a recv's copies in once its last piece has landed. An unstaged op sets `queued` when it
+// ends, and never records `copied`.
+struct UcxCudaState {
   cuda::Flag queued;
-  // Recorded on the caller's stream at the post: the copy out waits for it.
-  std::shared_ptr<cuda::Event> produced;
+  // Recorded on the caller's stream at the post: a staged op's copies wait for it (the source
+  // is produced, or the destination free).
+  std::shared_ptr<cuda::Event> reached;
   std::shared_ptr<cuda::Event> copied;
 };
 

@@ -83,9 +83,10 @@ void Engine::stopProcessEngine() {
     engine = processEngine.lock();
   }
   if (engine) {
-    // A rank may exit right after wait() on a staged send: its receiver is owed the bytes.
+    // A rank may exit right after wait() on a staged op: a send's receiver is owed the bytes,
+    // and a recv's copies in still read the host memory.
     try {
-      engine->awaitReleasedSends(std::nullopt, Clock::now() + kExitDrainLimit);
+      engine->awaitReleasedOps(std::nullopt, Clock::now() + kExitDrainLimit);
     } catch (const Error& error) {
       log(LogLevel::kWarn, "at exit: ", error.what());
     }
@@ -154,16 +155,16 @@ void Engine::stopProgressThread() {
 
 // ---------------------------------------------------------------- any thread
 
-void Engine::awaitReleasedSends(std::optional<uint64_t> groupId, Clock::time_point deadline) {
+void Engine::awaitReleasedOps(std::optional<uint64_t> groupId, Clock::time_point deadline) {
   size_t left = 0;
   while (true) {
-    left = call<size_t>([this, groupId] { return releasedSendsInFlight(groupId); },
-                        std::chrono::seconds(10), "counting sends in flight");
+    left = call<size_t>([this, groupId] { return releasedOpsInFlight(groupId); },
+                        std::chrono::seconds(10), "counting ops in flight");
     if (left == 0 || Clock::now() >= deadline) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
   if (left != 0) {
-    log(LogLevel::kWarn, left, " sends whose wait() had returned were still moving bytes when ",
+    log(LogLevel::kWarn, left, " ops whose wait() had returned were still moving bytes when ",
         groupId ? "their group closed" : "the process exited", "; they fail");
   }
 }
@@ -411,11 +412,11 @@ void Engine::closeGroup(uint64_t groupId, StatusCode code, const std::string& re
   group->matcher.clear();
 }
 
-size_t Engine::releasedSendsInFlight(std::optional<uint64_t> groupId) {
+size_t Engine::releasedOpsInFlight(std::optional<uint64_t> groupId) {
   size_t count = 0;
   for (const auto& [id, op] : live_) {
     if (groupId && op->groupId != *groupId) continue;
-    if (!op->finished() && op->ucxSend && flags_->isSet(op->ucxSend->queued)) ++count;
+    if (!op->finished() && op->ucxCuda && flags_->isSet(op->ucxCuda->queued)) ++count;
   }
   return count;
 }
@@ -749,8 +750,8 @@ void Engine::complete(const std::shared_ptr<Op>& op, const Status& status) {
     flags_->set(op->cuda->queued);
     if (!op->isSend()) flags_->set(op->cuda->done);
   }
-  // A UCX send's waiter, if its copy out never set `queued`, waits for the end on the CPU.
-  if (op->ucxSend) flags_->set(op->ucxSend->queued);
+  // A UCX op's waiter, if its copies never set `queued`, waits for the end on the CPU.
+  if (op->ucxCuda) flags_->set(op->ucxCuda->queued);
   release(op);
 }
 
@@ -772,10 +773,10 @@ void Engine::release(const std::shared_ptr<Op>& op) {
     op->cuda->copied.reset();
     retireCuda();
   }
-  if (op->ucxSend) {
-    flags_->release(op->ucxSend->queued);
-    op->ucxSend->produced.reset();
-    op->ucxSend->copied.reset();
+  if (op->ucxCuda) {
+    flags_->release(op->ucxCuda->queued);
+    op->ucxCuda->reached.reset();
+    op->ucxCuda->copied.reset();
   }
   if (op->streamReady) {
     releaseOnceWritten(*op->streamReady);
@@ -851,7 +852,7 @@ CudaFence Engine::prepareCuda(Op& op, std::chrono::milliseconds timeout) {
   return CudaFence{state.queued, state.done, state.copied};
 }
 
-std::optional<CudaFence> Engine::prepareUcxCuda(Op& op, std::chrono::milliseconds timeout) {
+CudaFence Engine::prepareUcxCuda(Op& op, std::chrono::milliseconds timeout) {
   static std::once_flag announced;
   std::call_once(announced, [this] {
     log(LogLevel::kInfo, "CUDA tensors to some ranks move over UCX (SMFREE_TRANSPORT=",
@@ -859,24 +860,23 @@ std::optional<CudaFence> Engine::prepareUcxCuda(Op& op, std::chrono::millisecond
   });
   admitCuda(timeout);
   const cuda::Flag ready = flags_->acquire();
-  std::optional<UcxSendState> send;
+  std::optional<cuda::Flag> queued;
   try {
     writeFromStream(op, ready);
-    if (op.isSend()) {
-      const int device = op.request.buffer.device;
-      send = UcxSendState{flags_->acquire(), cuda::takeEvent(device), cuda::takeEvent(device)};
-      send->produced->record(static_cast<CUstream>(op.request.stream));
-    }
+    const int device = op.request.buffer.device;
+    auto reached = cuda::takeEvent(device);
+    auto copied = cuda::takeEvent(device);
+    reached->record(static_cast<CUstream>(op.request.stream));
+    queued = flags_->acquire();
+    op.ucxCuda = UcxCudaState{*queued, std::move(reached), std::move(copied)};
   } catch (...) {
     flags_->release(ready);
-    if (send) flags_->release(send->queued);
+    if (queued) flags_->release(*queued);
     retireCuda();
     throw;
   }
   op.streamReady = ready;
-  op.ucxSend = send;
-  if (!send) return std::nullopt;
-  return CudaFence{send->queued, {}, send->copied};
+  return CudaFence{op.ucxCuda->queued, {}, op.ucxCuda->copied};
 }
 
 void Engine::awaitQueued(const cuda::Flag& queued, Clock::time_point deadline) {

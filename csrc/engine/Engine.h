@@ -71,17 +71,17 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // Stops both threads, the progress thread and the receive lane's: at process exit, before
   // UCX and CUDA tear down under them.
   void stop();
-  // Waits, until `deadline` at most, for the sends whose callers were told their buffers are
-  // free (staged UCX sends, UcxSendState) to deliver their bytes: of one group, or of all.
-  void awaitReleasedSends(std::optional<uint64_t> groupId, Clock::time_point deadline);
+  // Waits, until `deadline` at most, for the ops whose wait() returned before they ended
+  // (staged UCX ops, UcxCudaState) to finish their copies: of one group, or of all.
+  void awaitReleasedOps(std::optional<uint64_t> groupId, Clock::time_point deadline);
   std::optional<std::string> failureOf(const std::string& processKey);
   uint64_t nextOpId() { return nextOpId_.fetch_add(1); }
   // On the caller's thread: a CUDA op's flags and events, and what its stream signals at
   // posting (a recv's `ready` write, a send's `produced` record).
   CudaFence prepareCuda(Op& op, std::chrono::milliseconds timeout);
-  // On the caller's thread, for a CUDA op over UCX: its stream's `streamReady` write.
-  // A send's fence (see UcxSendState); none for a recv, whose CPU waits for its end.
-  std::optional<CudaFence> prepareUcxCuda(Op& op, std::chrono::milliseconds timeout);
+  // On the caller's thread, for a CUDA op over UCX: its stream's `streamReady` write and
+  // `reached` record, and its fence (see UcxCudaState).
+  CudaFence prepareUcxCuda(Op& op, std::chrono::milliseconds timeout);
   // Queues the write of `flag` on the op's stream (the caller's), in its device's context.
   void writeFromStream(const Op& op, const cuda::Flag& flag);
   // Bounds the CUDA ops in flight (flag words, tensors held), blocking the caller before it
@@ -101,7 +101,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   void attachPeer(uint64_t groupId, int rank, const PeerAddress& address);
   void closeGroup(uint64_t groupId, StatusCode code, const std::string& reason);
   std::string dumpPending(uint64_t groupId);
-  size_t releasedSendsInFlight(std::optional<uint64_t> groupId);
+  size_t releasedOpsInFlight(std::optional<uint64_t> groupId);
   std::map<std::string, int64_t> stats();
 
   void startOp(const std::shared_ptr<Op>& op);

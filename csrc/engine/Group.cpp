@@ -81,11 +81,6 @@ std::optional<CudaFence> Group::post(OpRequest request) {
   return fence;
 }
 
-bool Group::fencesOnStream(OpKind kind, int peer, MemoryKind memory) const {
-  if (memory != MemoryKind::kCuda) return false;
-  return kind == OpKind::kSend || onCopyEngine(peer);
-}
-
 bool Group::onCopyEngine(int peer) const {
   switch (engine_->config().transport) {
     case Transport::kCopyEngine:
@@ -126,9 +121,9 @@ void Group::close(StatusCode code, const std::string& reason, bool abort) {
     return;
   }
   const uint64_t id = id_;
-  // Sends whose wait() has returned still owe their receivers the bytes; their own timeouts
-  // bound this.
-  if (!abort) engine_->awaitReleasedSends(id, Clock::now() + timeout());
+  // Ops whose wait() has returned still owe their peers the bytes, or their streams the copies
+  // in; their own timeouts bound this.
+  if (!abort) engine_->awaitReleasedOps(id, Clock::now() + timeout());
   Engine* engine = engine_.get();
   engine_->call<void>([engine, id, code, reason] { engine->closeGroup(id, code, reason); },
                       std::chrono::seconds(60), "closing the group");

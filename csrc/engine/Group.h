@@ -30,9 +30,8 @@ class Group {
   // Makes sure the endpoint to `rank` exists (first use: a store lookup). Throws on failure.
   void connect(int rank);
   void connectAll();
-  // Never blocks on the transfer; `request.onComplete` reports the outcome. For the ops
-  // fencesOnStream() names it returns what streams wait on (waitOnStream) to see the op's
-  // buffer done with.
+  // Never blocks on the transfer; `request.onComplete` reports the outcome. For a CUDA op it
+  // returns what streams wait on (waitOnStream) to see the op's buffer done with.
   std::optional<CudaFence> post(OpRequest request);
   // Returns once the partner has posted and the copy is submitted, or the op failed; throws
   // if neither happens within the group timeout.
@@ -40,16 +39,13 @@ class Group {
   // Makes `stream` wait for the copy on the GPU; call only after awaitQueued.
   void waitOnStream(void* stream, int device, const CudaFence& fence);
   // Fails every pending op with `reason` and refuses new ones; returns once that is done.
-  // Unless `abort`, it first lets the sends whose wait() has returned deliver their bytes.
+  // Unless `abort`, it first lets the ops whose wait() has returned finish moving.
   void close(StatusCode code, const std::string& reason, bool abort);
   // Why `rank`'s process is known dead, if it is.
   std::optional<std::string> peerFailure(int rank);
   std::string dumpPending();
   // Engine-wide counters: live ops, open CUDA IPC mappings, flag words in use.
   std::map<std::string, int64_t> stats();
-  // Whether post() returns a fence for such an op: CUDA ops on the copy engines, and CUDA
-  // sends over UCX (see UcxSendState).
-  bool fencesOnStream(OpKind kind, int peer, MemoryKind memory) const;
 
  private:
   // Whether a CUDA op with `peer` (a rank or kAnySource) moves on the copy engines (else over

@@ -71,7 +71,7 @@ struct Op {
   // A CUDA op over UCX: written by the caller's stream once the work queued before the op is
   // done; UCX touches the buffer only after that.
   std::optional<cuda::Flag> streamReady;
-  std::optional<UcxSendState> ucxSend;  // a CUDA send over UCX
+  std::optional<UcxCudaState> ucxCuda;  // a CUDA op over UCX
 
   bool isSend() const { return request.kind == OpKind::kSend; }
   bool finished() const { return phase == Phase::kDone; }

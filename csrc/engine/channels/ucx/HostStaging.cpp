@@ -108,8 +108,16 @@ void HostStaging::copyToHostAfter(int device, const cuda::Event& event) {
   event.waitOn(streamOf(toHost_, device, kToHost).handle());
 }
 
+void HostStaging::copyToDeviceAfter(int device, const cuda::Event& event) {
+  event.waitOn(streamOf(toDevice_, device, kToDevice).handle());
+}
+
 void HostStaging::recordAfterCopiesToHost(int device, cuda::Event& event) {
   event.record(streamOf(toHost_, device, kToHost).handle());
+}
+
+void HostStaging::recordAfterCopiesToDevice(int device, cuda::Event& event) {
+  event.record(streamOf(toDevice_, device, kToDevice).handle());
 }
 
 uint64_t HostStaging::cachedBytes() const {

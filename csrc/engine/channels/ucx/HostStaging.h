@@ -32,10 +32,12 @@ class HostStaging {
                                           uint64_t offset, uint64_t bytes);
   std::shared_ptr<cuda::Event> copyToDevice(const cuda::PinnedMemory& from, const Buffer& to,
                                             uint64_t offset, uint64_t bytes);
-  // Copies to host queued from now on for `device` wait for `event`'s last record.
+  // Copies queued from now on for `device`, in that direction, wait for `event`'s last record.
   void copyToHostAfter(int device, const cuda::Event& event);
-  // Records `event` after the copies to host queued so far for `device`.
+  void copyToDeviceAfter(int device, const cuda::Event& event);
+  // Records `event` after the copies queued so far for `device` in that direction.
   void recordAfterCopiesToHost(int device, cuda::Event& event);
+  void recordAfterCopiesToDevice(int device, cuda::Event& event);
   uint64_t cachedBytes() const;
 
  private:

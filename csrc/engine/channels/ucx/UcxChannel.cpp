@@ -59,6 +59,7 @@ struct UcxChannel::Movement {
   std::vector<std::shared_ptr<cuda::Event>> copies;  // staged: each piece's copy, while queued
   std::vector<void*> requests;                       // UCX requests not yet completed
   uint32_t nextToTransmit = 0;                       // staged send: pieces go out in order
+  uint32_t copiesInQueued = 0;                       // staged recv
   uint32_t done = 0;
   std::optional<Status> failure;
   bool cancelled = false;  // its requests were cancelled after the failure
@@ -220,7 +221,7 @@ void UcxChannel::copyOut(Movement& movement) {
   const Buffer& buffer = op.request.buffer;
   try {
     movement.host = staging_.take(buffer.device, buffer.bytes);
-    staging_.copyToHostAfter(buffer.device, *op.ucxSend->produced);
+    staging_.copyToHostAfter(buffer.device, *op.ucxCuda->reached);
     for (uint32_t piece = 0; piece < movement.pieces.size(); ++piece) {
       movement.copies[piece] = staging_.copyToHost(buffer, *movement.host,
                                                    movement.offsetOf(piece),
@@ -228,8 +229,8 @@ void UcxChannel::copyOut(Movement& movement) {
       movement.pieces[piece] = PieceState::kCopying;
     }
     // From here the caller's stream, not its CPU, waits for the buffer to be free.
-    staging_.recordAfterCopiesToHost(buffer.device, *op.ucxSend->copied);
-    flags_.set(op.ucxSend->queued);
+    staging_.recordAfterCopiesToHost(buffer.device, *op.ucxCuda->copied);
+    flags_.set(op.ucxCuda->queued);
     ++hostStagedSends_;
   } catch (const Error& error) {
     movement.failure = copyFailure(op, error);
@@ -334,23 +335,30 @@ bool UcxChannel::transmitCopiedPieces(Movement& movement) {
 }
 
 bool UcxChannel::copyInLandedPieces(Movement& movement) {
-  const auto& pieces = movement.pieces;
-  if (std::find(pieces.begin(), pieces.end(), PieceState::kLanded) == pieces.end() ||
-      !streamReached(*movement.op)) {
-    return false;
-  }
-  const Buffer& buffer = movement.op->request.buffer;
-  for (uint32_t piece = 0; piece < pieces.size(); ++piece) {
-    if (pieces[piece] != PieceState::kLanded) continue;
-    try {
+  auto& pieces = movement.pieces;
+  if (std::find(pieces.begin(), pieces.end(), PieceState::kLanded) == pieces.end()) return false;
+  const Op& op = *movement.op;
+  const Buffer& buffer = op.request.buffer;
+  try {
+    // The copies wait on the GPU for the caller's stream to free the buffer, not the CPU.
+    if (movement.copiesInQueued == 0) {
+      staging_.copyToDeviceAfter(buffer.device, *op.ucxCuda->reached);
+    }
+    for (uint32_t piece = 0; piece < pieces.size(); ++piece) {
+      if (pieces[piece] != PieceState::kLanded) continue;
       movement.copies[piece] = staging_.copyToDevice(*movement.host, buffer,
                                                      movement.offsetOf(piece),
                                                      movement.bytesOf(piece));
-    } catch (const Error& error) {
-      movement.failure = copyFailure(*movement.op, error);
-      break;
+      pieces[piece] = PieceState::kCopying;
+      ++movement.copiesInQueued;
     }
-    movement.pieces[piece] = PieceState::kCopying;
+    if (movement.copiesInQueued == pieces.size()) {
+      // From here the caller's stream, not its CPU, waits for the bytes.
+      staging_.recordAfterCopiesToDevice(buffer.device, *op.ucxCuda->copied);
+      flags_.set(op.ucxCuda->queued);
+    }
+  } catch (const Error& error) {
+    movement.failure = copyFailure(op, error);
   }
   return true;
 }

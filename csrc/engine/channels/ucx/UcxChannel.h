@@ -23,15 +23,15 @@ namespace smfree::engine {
 // UCX is not stream-aware: a CUDA op waits, here, for its `streamReady` flag (written by the
 // caller's stream) before UCX may touch the buffer. Completion reaches the caller through its
 // Work on the CPU; no stream waits on UCX, whose own CUDA copies could otherwise queue behind
-// that wait in a shared hardware queue (see CudaOp.h). The exception is a staged send, whose
-// caller's stream waits for the copy out, queued before that wait (UcxSendState).
+// that wait in a shared hardware queue (see CudaOp.h). The exception is a staged op, whose
+// caller's stream waits for its copies, queued before that wait (UcxCudaState).
 //
 // Toward a peer that UCX reaches over TCP alone, CUDA buffers go through pinned host memory
 // (HostStaging), in pieces so that copies and the network overlap: each piece of a send is
 // handed to UCX as soon as the copy engine has copied it out, and each piece of a recv is
-// copied in as soon as it has landed (and the stream has reached the recv). The receiver
-// chooses the pieces and tells the sender with its clear-to-send; a sender that does not
-// stage sends the same pieces straight from its buffer.
+// queued to be copied in as soon as it has landed (the copy waits on the GPU for the stream to
+// reach the recv). The receiver chooses the pieces and tells the sender with its clear-to-send;
+// a sender that does not stage sends the same pieces straight from its buffer.
 class UcxChannel final : public Channel {
  public:
   // `pieceBytes`: size of the pieces of a staged recv (SMFREE_HOST_STAGING_PIECE_BYTES); 0 for
