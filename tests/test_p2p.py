@@ -231,6 +231,41 @@ def test_empty_batch_gets_a_completed_work():
     assert run_ranks(_empty_batch, 2) == [True, True]
 
 
+def _batch_with_a_refused_op(rank, world):
+    peer = 1 - rank
+    with pytest.raises(ValueError, match="invalid peer rank 7"):
+        dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.full((4,), 99.0), peer),
+                                dist.P2POp(dist.irecv, torch.zeros(4), 7)])
+    # Had the refused batch's send been posted, this recv would take its 99s.
+    got = torch.zeros(4)
+    for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.full((4,), float(rank)), peer),
+                                        dist.P2POp(dist.irecv, got, peer)]):
+        work.wait()
+    return got.tolist()
+
+
+def test_batch_with_a_refused_op_posts_none_and_the_next_batch_works():
+    assert run_ranks(_batch_with_a_refused_op, 2) == [[1.0] * 4, [0.0] * 4]
+
+
+def _wait_inside_the_block(rank, world):
+    peer = 1 - rank
+    got = torch.zeros(4)
+    group = dist.group.WORLD
+    with dist.distributed_c10d._coalescing_manager(group, torch.device("cpu"), async_ops=True) as cm:
+        send = dist.isend(torch.full((4,), float(rank)), peer)
+        with pytest.raises(RuntimeError, match="inside its coalescing block"):
+            send.wait()
+        dist.irecv(got, peer)
+    cm.wait()
+    send.wait()  # posted once the block ended
+    return got.tolist()
+
+
+def test_wait_on_an_op_inside_its_coalescing_block_raises_instead_of_hanging():
+    assert run_ranks(_wait_inside_the_block, 2) == [[1.0] * 4, [0.0] * 4]
+
+
 def _any_source(rank, world):
     if rank != 0:
         time.sleep(0.05 * rank)

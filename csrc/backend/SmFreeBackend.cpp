@@ -65,6 +65,38 @@ c10::intrusive_ptr<c10d::Work> SmFreeBackend::recvAnysource(std::vector<at::Tens
 c10::intrusive_ptr<c10d::Work> SmFreeBackend::pointToPoint(engine::OpKind kind,
                                                            std::vector<at::Tensor>& tensors,
                                                            int peer, int tag) {
+  c10::intrusive_ptr<SmFreeWork> batch;
+  {
+    std::lock_guard<std::mutex> lock(coalescingMutex_);
+    if (batch_) batch = batch_->work;
+  }
+  PreparedOp op;
+  try {
+    op = prepare(kind, tensors, peer, tag, batch);
+  } catch (...) {
+    if (batch) {
+      // None of the batch's ops has been posted: drop them all, so the group can batch again.
+      std::lock_guard<std::mutex> lock(coalescingMutex_);
+      batch_.reset();
+    }
+    throw;
+  }
+  c10::intrusive_ptr<SmFreeWork> work = op.work;
+  if (batch) {
+    std::lock_guard<std::mutex> lock(coalescingMutex_);
+    TORCH_CHECK(batch_ && batch_->work == batch,
+                "smfree: the coalescing block ended while one of its ops was being added");
+    batch_->ops.push_back(std::move(op));
+    return work;
+  }
+  post(op, nullptr);
+  return work;
+}
+
+SmFreeBackend::PreparedOp SmFreeBackend::prepare(engine::OpKind kind,
+                                                 std::vector<at::Tensor>& tensors, int peer,
+                                                 int tag,
+                                                 const c10::intrusive_ptr<SmFreeWork>& batch) {
   const char* op = opName(kind, peer);
   checkOpen(op);
   at::Tensor& tensor = checkP2PTensor(tensors, op);
@@ -100,16 +132,6 @@ c10::intrusive_ptr<c10d::Work> SmFreeBackend::pointToPoint(engine::OpKind kind,
                 static_cast<int64_t>(tensor.nbytes())},
       std::vector<at::Tensor>{tensor});
   work->expectOp(cpuWaited);
-  work->seal();
-
-  c10::intrusive_ptr<SmFreeWork> batch;
-  {
-    std::lock_guard<std::mutex> lock(coalescingMutex_);
-    batch = batch_;
-  }
-  if (batch) {
-    batch->expectOp(cpuWaited);
-  }
 
   engine::OpRequest request;
   request.kind = kind;
@@ -136,19 +158,25 @@ c10::intrusive_ptr<c10d::Work> SmFreeBackend::pointToPoint(engine::OpKind kind,
     // wait() on a CUDA recv may return before the recv ends; its source is known by then.
     request.onMatched = [work](int source) { work->onMatched(source); };
   }
+  if (batch) batch->expectOp(cpuWaited);
+  return PreparedOp{std::move(request), work, cpuWaited};
+}
+
+void SmFreeBackend::post(PreparedOp& op, const c10::intrusive_ptr<SmFreeWork>& batch) {
+  const int device = op.request.buffer.device;
+  std::optional<engine::CudaFence> fence;
   try {
-    auto fence = group_->post(std::move(request));
-    TORCH_INTERNAL_ASSERT(fence.has_value() != cpuWaited,
-                          "smfree: the engine fenced an op it was not to fence, or the reverse");
-    if (fence) {
-      const int device = tensor.device().index();
-      work->addStreamFence(group_, device, *fence);
-      if (batch) batch->addStreamFence(group_, device, *fence);
-    }
+    fence = group_->post(std::move(op.request));
   } catch (const engine::Error& error) {
     C10_THROW_ERROR(DistBackendError, error.what());
   }
-  return work;
+  TORCH_INTERNAL_ASSERT(fence.has_value() != op.cpuWaited,
+                        "smfree: the engine fenced an op it was not to fence, or the reverse");
+  if (fence) {
+    op.work->addStreamFence(group_, device, *fence);
+    if (batch) batch->addStreamFence(group_, device, *fence);
+  }
+  op.work->seal();
 }
 
 void SmFreeBackend::bindDevice(const at::Tensor& tensor, const char* op) {
@@ -166,20 +194,38 @@ void SmFreeBackend::startCoalescing() {
   checkOpen("startCoalescing");
   std::lock_guard<std::mutex> lock(coalescingMutex_);
   TORCH_CHECK(!batch_, "smfree: startCoalescing called twice without endCoalescing");
-  batch_ = c10::make_intrusive<SmFreeWork>(c10d::OpType::COALESCED, WorkLabel{"coalesced batch"},
-                                           std::vector<at::Tensor>{});
+  batch_.emplace();
+  batch_->work = c10::make_intrusive<SmFreeWork>(
+      c10d::OpType::COALESCED, WorkLabel{"coalesced batch"}, std::vector<at::Tensor>{});
 }
 
 c10::intrusive_ptr<c10d::Work> SmFreeBackend::endCoalescing() {
-  c10::intrusive_ptr<SmFreeWork> batch;
+  Batch batch;
   {
     std::lock_guard<std::mutex> lock(coalescingMutex_);
     TORCH_CHECK(batch_, "smfree: endCoalescing called without startCoalescing");
-    batch = std::move(batch_);
+    batch = std::move(*batch_);
     batch_.reset();
   }
-  batch->seal();
-  return batch;
+  for (size_t i = 0; i < batch.ops.size(); ++i) {
+    try {
+      post(batch.ops[i], batch.work);
+    } catch (const std::exception& error) {
+      // This op and the ones after it were never posted: they fail, so no wait() on them hangs.
+      const auto failure = engine::Status::failure(
+          engine::StatusCode::kAborted, c10::str("smfree: not posted: ", error.what()));
+      for (size_t j = i; j < batch.ops.size(); ++j) {
+        PreparedOp& op = batch.ops[j];
+        op.work->onOpDone(failure, -1, op.cpuWaited);
+        op.work->seal();
+        batch.work->onOpDone(failure, -1, op.cpuWaited);
+      }
+      batch.work->seal();
+      throw;
+    }
+  }
+  batch.work->seal();
+  return batch.work;
 }
 
 c10d::Backend& SmFreeBackend::inner(c10::DeviceType deviceType) {

@@ -8,7 +8,9 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "backend/SmFreeWork.h"
 #include "engine/Group.h"
@@ -93,8 +95,25 @@ class SmFreeBackend final : public c10d::Backend {
   std::map<std::string, int64_t> stats();
 
  private:
+  // A point-to-point op, checked, with its Work, not yet posted.
+  struct PreparedOp {
+    engine::OpRequest request;
+    c10::intrusive_ptr<SmFreeWork> work;
+    bool cpuWaited = true;
+  };
+  // The ops called between startCoalescing and endCoalescing. Each is checked when it is
+  // called, and all are posted at endCoalescing: a batch with a refused op posts none.
+  struct Batch {
+    c10::intrusive_ptr<SmFreeWork> work;
+    std::vector<PreparedOp> ops;
+  };
+
   c10::intrusive_ptr<c10d::Work> pointToPoint(engine::OpKind kind, std::vector<at::Tensor>& tensors,
                                               int peer, int tag);
+  // Checks the call and connects to the peer; `batch`, if set, will also report the op.
+  PreparedOp prepare(engine::OpKind kind, std::vector<at::Tensor>& tensors, int peer, int tag,
+                     const c10::intrusive_ptr<SmFreeWork>& batch);
+  void post(PreparedOp& op, const c10::intrusive_ptr<SmFreeWork>& batch);
   void checkOpen(const char* op) const;
   c10d::Backend& inner(c10::DeviceType deviceType);
   c10d::Backend& innerFor(const std::vector<at::Tensor>& tensors);
@@ -109,7 +128,7 @@ class SmFreeBackend final : public c10d::Backend {
   std::map<c10::DeviceType, c10::intrusive_ptr<c10d::Backend>> inners_;
 
   std::mutex coalescingMutex_;
-  c10::intrusive_ptr<SmFreeWork> batch_;  // set between startCoalescing and endCoalescing
+  std::optional<Batch> batch_;  // set between startCoalescing and endCoalescing
 
   std::atomic<const char*> stopped_{nullptr};  // "aborted" or "shut down" once stopped
   std::atomic<int> device_{-1};  // the CUDA device this rank uses in the group, once known

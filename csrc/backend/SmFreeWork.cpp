@@ -101,10 +101,16 @@ int SmFreeWork::sourceRank() const {
 
 std::vector<at::Tensor> SmFreeWork::result() { return tensors_; }
 
+void SmFreeWork::checkPosted() const {
+  TORCH_CHECK(sealed_, "smfree: wait on ", label_.describe(),
+              " inside its coalescing block; the block's ops are posted when it ends");
+}
+
 bool SmFreeWork::wait(std::chrono::milliseconds timeout) {
   std::vector<StreamFence> fences;
   {
     std::lock_guard<std::mutex> lock(stateMutex_);
+    checkPosted();
     fences = fences_;
   }
   // A CUDA op makes the current stream wait for its copy, as with NCCL, and the CPU waits only
@@ -160,6 +166,10 @@ void SmFreeWork::waitCpuWaitedOps() {
 }
 
 void SmFreeWork::synchronize() {
+  {
+    std::lock_guard<std::mutex> lock(stateMutex_);
+    checkPosted();
+  }
   waitFinished(kNoTimeout);
   std::lock_guard<std::mutex> lock(stateMutex_);
   if (error_) {

@@ -37,7 +37,7 @@ class SmFreeWork final : public c10d::Work {
   // An op with a fence: wait() makes the current stream wait for it rather than the CPU (see
   // wait()).
   void addStreamFence(std::shared_ptr<engine::Group> group, int device, engine::CudaFence fence);
-  void seal();      // no more ops will be added
+  void seal();      // no more ops will be added (an op's own Work: it is posted)
   void onOpDone(const engine::Status& status, int source, bool cpuWaited);
   // A recv from any source has matched `source`'s send, before wait() can return.
   void onMatched(int source);
@@ -53,6 +53,8 @@ class SmFreeWork final : public c10d::Work {
 
  private:
   void completeIfDone(std::unique_lock<std::mutex>& lock);
+  // Throws for an op of a coalescing block that has not ended. Under stateMutex_.
+  void checkPosted() const;
   void waitFinished(std::chrono::milliseconds timeout);
   void waitCpuWaitedOps();
 
