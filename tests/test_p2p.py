@@ -395,3 +395,20 @@ def test_ops_that_ucx_completes_while_posting_them_are_released():
     # Over TCP, UCX sends 4 KiB eagerly and may complete the send inside the posting call;
     # such an op must still be released, with the tensor it holds.
     assert run_ranks(_small_exchanges, 2, env={"UCX_TLS": "tcp"}) == [0, 0]
+
+
+def _batch_whose_group_closes_before_it_ends(rank, world):
+    peer = 1 - rank
+    group = dist.group.WORLD
+    with pytest.raises(dist.DistBackendError, match="is closed"):
+        with dist.distributed_c10d._coalescing_manager(group, torch.device("cpu"),
+                                                      async_ops=True):
+            send = dist.isend(torch.ones(4), peer)
+            group._get_backend(torch.device("cpu")).shutdown()
+    with pytest.raises(dist.DistBackendError, match="not posted"):
+        send.wait()  # fails instead of waiting for an op that was never posted
+    return send.is_completed()
+
+
+def test_ops_of_a_batch_that_cannot_be_posted_fail_instead_of_hanging():
+    assert run_ranks(_batch_whose_group_closes_before_it_ends, 2) == [True, True]
