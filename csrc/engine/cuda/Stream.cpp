@@ -5,7 +5,7 @@
 
 namespace smfree::engine::cuda {
 
-Stream::Stream(int device) : device_(device) {
+Stream::Stream(int device, OnDestroy onDestroy) : device_(device), onDestroy_(onDestroy) {
   ContextGuard context(device_);
   check(driver().cuStreamCreate(&stream_, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
 }
@@ -15,7 +15,7 @@ Stream::~Stream() {
   // process exit the driver may be torn down already; the process's end frees the stream.
   try {
     ContextGuard context(device_);
-    driver().cuStreamSynchronize(stream_);
+    if (onDestroy_ == OnDestroy::kDrain) driver().cuStreamSynchronize(stream_);
     driver().cuStreamDestroy(stream_);
   } catch (const Error&) {
   }

@@ -4,11 +4,15 @@
 
 namespace smfree::engine::cuda {
 
-// A non-blocking stream of one device, created in its primary context and destroyed after
-// the work queued on it has run.
+// A non-blocking stream of one device, created in its primary context. By default it is
+// destroyed after the work queued on it has run; a stream whose work may wait on a flag that
+// a dead peer will never write is released at once instead (the driver frees it once that
+// work is done, or with the process).
 class Stream {
  public:
-  explicit Stream(int device);
+  enum class OnDestroy { kDrain, kRelease };
+
+  explicit Stream(int device, OnDestroy onDestroy = OnDestroy::kDrain);
   ~Stream();
   Stream(const Stream&) = delete;
   Stream& operator=(const Stream&) = delete;
@@ -18,6 +22,7 @@ class Stream {
 
  private:
   int device_;
+  OnDestroy onDestroy_;
   CUstream stream_ = nullptr;
 };
 

@@ -40,17 +40,6 @@ CopyEngineChannel::CopyEngineChannel(cuda::FlagSegment& flags, size_t ipcCacheSi
       onDone_(std::move(onDone)),
       notify_(std::move(notify)) {}
 
-CopyEngineChannel::~CopyEngineChannel() {
-  for (auto& [devices, stream] : streams_) {
-    cuda::ContextGuard context(devices.first);
-    cuda::driver().cuStreamDestroy(stream);
-  }
-  for (auto& [device, stream] : copyOutStreams_) {
-    cuda::ContextGuard context(device);
-    cuda::driver().cuStreamDestroy(stream);
-  }
-}
-
 bool CopyEngineChannel::stageable(uint64_t bytes) const {
   return bytes >= kStagingMinBytes && bytes <= stagingBytes_;
 }
@@ -507,19 +496,19 @@ std::string CopyEngineChannel::describeWait(const Op& op) const {
 CUstream CopyEngineChannel::dmaStream(int localDevice, int peerDevice) {
   auto& stream = streams_[{localDevice, peerDevice}];
   if (!stream) {
-    cuda::check(cuda::driver().cuStreamCreate(&stream, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+    stream = std::make_unique<cuda::Stream>(localDevice, cuda::Stream::OnDestroy::kRelease);
     log(LogLevel::kInfo, "DMA stream for cuda:", localDevice, " -> peer cuda:", peerDevice);
   }
-  return stream;
+  return stream->handle();
 }
 
 CUstream CopyEngineChannel::copyOutStream(int device) {
   auto& stream = copyOutStreams_[device];
   if (!stream) {
-    cuda::check(cuda::driver().cuStreamCreate(&stream, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+    stream = std::make_unique<cuda::Stream>(device, cuda::Stream::OnDestroy::kRelease);
     log(LogLevel::kInfo, "staging copy-out stream for cuda:", device);
   }
-  return stream;
+  return stream->handle();
 }
 
 }  // namespace smfree::engine

@@ -5,6 +5,7 @@
 #include <functional>
 #include <list>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
@@ -15,6 +16,7 @@
 #include "engine/cuda/FlagSegment.h"
 #include "engine/cuda/IpcCache.h"
 #include "engine/cuda/IpcExport.h"
+#include "engine/cuda/Stream.h"
 
 namespace smfree::engine {
 
@@ -42,7 +44,6 @@ class CopyEngineChannel final : public Channel {
 
   CopyEngineChannel(cuda::FlagSegment& flags, size_t ipcCacheSize, uint64_t stagingBytes,
                     Done onDone, Notify notify);
-  ~CopyEngineChannel() override;
 
   std::string armRecv(const std::shared_ptr<Op>& recv, Peer& source) override;
   void startSend(const std::shared_ptr<Op>& send, Peer& destination,
@@ -124,14 +125,16 @@ class CopyEngineChannel final : public Channel {
   uint64_t stagingBytes_;
   Done onDone_;
   Notify notify_;
-  std::map<std::pair<int, int>, CUstream> streams_;
-  std::map<int, CUstream> copyOutStreams_;
   std::map<RingKey, std::shared_ptr<StagingRing>> rings_;  // null: none can be had
   std::map<RingKey, std::shared_ptr<RemoteStagingRing>> remoteRings_;
   std::list<Transfer> held_;    // cleared sends waiting for a slot or for `ready`
   std::list<Transfer> moving_;  // copies submitted (sends) or expected (recvs)
   uint64_t stagedSends_ = 0;  // copied into a receiver's slot
   uint64_t stagedRecvs_ = 0;  // copied out of one of our slots
+  // Released, not drained, when the channel goes: a copy may be parked on the `ready` of a
+  // peer that died.
+  std::map<std::pair<int, int>, std::unique_ptr<cuda::Stream>> streams_;
+  std::map<int, std::unique_ptr<cuda::Stream>> copyOutStreams_;
 };
 
 }  // namespace smfree::engine
