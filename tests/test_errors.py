@@ -1,7 +1,9 @@
 """Bad input and failures: each gets a clear exception at the right place, nothing hangs."""
 
+import datetime
 import os
 import re
+import select
 import time
 
 import pytest
@@ -164,6 +166,74 @@ def _peer_dies(rank, world):
         with pytest.raises(dist.DistBackendError, match="refused: its peer process"):
             dist.send(torch.empty(1), 2)
     return error, elapsed
+
+
+def _await_exit(pid, timeout_s):
+    # A pidfd turns readable once every thread has exited, as the engine's watch sees it.
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        readable, _, _ = select.select([fd], [], [], timeout_s)
+        assert readable, f"pid {pid} did not exit"
+    finally:
+        os.close(fd)
+
+
+def _peer_gone_before_first_contact(rank, world):
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 2:
+        store.set("pid2", str(os.getpid()))
+        dist.barrier()
+        os._exit(1)  # before anyone reached it
+    dist.barrier()
+    _await_exit(int(store.get("pid2")), 10)
+    errors = []
+    if rank == 0:
+        for call in (lambda: dist.send(torch.ones(4), 2), lambda: dist.recv(torch.empty(4), 2)):
+            with pytest.raises(dist.DistBackendError) as raised:
+                call()
+            errors.append(str(raised.value))
+    got = torch.empty(2)
+    ops = [dist.P2POp(dist.isend, torch.full((2,), float(rank)), 1 - rank),
+           dist.P2POp(dist.irecv, got, 1 - rank)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return errors, got.tolist()
+
+
+def test_peer_that_left_before_it_was_first_reached_is_refused_by_name():
+    results = run_ranks(_peer_gone_before_first_contact, 3, group_timeout_s=20,
+                        expect_exit=(2,))
+    errors, got = results[0]
+    assert re.search(r"send on rank 0 to rank 2 \(group '.*', tag 0, 16 B\) refused: its peer "
+                     r"process \(pid \d+ on host .*\) failed: the process exited", errors[0])
+    assert re.search(r"recv on rank 0 from rank 2 \(group '.*', tag 0, 16 B\) refused: its peer "
+                     r"process \(pid \d+ on host .*\) failed: the process exited", errors[1])
+    assert got == [1.0, 1.0] and results[1] == ([], [0.0, 0.0])
+
+
+def _peer_closed_before_first_contact(rank, world):
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 1:
+        dist.destroy_process_group()  # its engine, and the shared memory UCX offered, are gone
+        store.set("closed", "1")
+        store.wait(["checked"], datetime.timedelta(seconds=30))  # alive while rank 0 tries
+        return None
+    store.get("closed")
+    with pytest.raises(dist.DistBackendError) as raised:
+        dist.send(torch.ones(4), 1)
+    store.set("checked", "1")
+    return str(raised.value)
+
+
+def test_peer_that_closed_its_groups_before_it_was_first_reached_is_named():
+    # Shared memory only: UCX then needs the peer's segments to create an endpoint.
+    error = run_ranks(_peer_closed_before_first_contact, 2, env={"UCX_TLS": "sm,self"})[0]
+    assert re.search(r"send on rank 0 to rank 1 \(group '.*', tag 0, 16 B\) cannot connect: "
+                     r"cannot reach pid \d+ on host .* \(did it close its groups\?\): UCX "
+                     r"ucp_ep_create failed", error), error
 
 
 def test_killed_peer_fails_pending_ops_within_timeout():

@@ -400,6 +400,11 @@ def test_ops_that_ucx_completes_while_posting_them_are_released():
 def _batch_whose_group_closes_before_it_ends(rank, world):
     peer = 1 - rank
     group = dist.group.WORLD
+    # Connected both ways before either side closes: the close, not a peer already gone, is
+    # what the batch meets.
+    got = torch.empty(1)
+    for work in [dist.isend(torch.ones(1), peer), dist.irecv(got, peer)]:
+        work.wait()
     with pytest.raises(dist.DistBackendError, match="is closed"):
         with dist.distributed_c10d._coalescing_manager(group, torch.device("cpu"),
                                                       async_ops=True):

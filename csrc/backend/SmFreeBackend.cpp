@@ -16,6 +16,17 @@ const char* opName(engine::OpKind kind, int peer) {
   return peer == engine::kAnySource ? "recv from any source" : "recv";
 }
 
+// As the engine names an op: "recv on rank 0 from rank 2 (group 'pp', tag 0, 64 B)".
+std::string describeCall(engine::OpKind kind, int rank, int peer, int tag, const at::Tensor& tensor,
+                         const std::string& group) {
+  const bool isSend = kind == engine::OpKind::kSend;
+  const std::string partner = peer == engine::kAnySource
+                                  ? std::string("from any rank")
+                                  : c10::str(isSend ? "to rank " : "from rank ", peer);
+  return c10::str(isSend ? "send" : "recv", " on rank ", rank, " ", partner, " (group '", group,
+                  "', tag ", tag, ", ", tensor.nbytes(), " B)");
+}
+
 }  // namespace
 
 SmFreeBackend::SmFreeBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
@@ -113,13 +124,21 @@ SmFreeBackend::PreparedOp SmFreeBackend::prepare(engine::OpKind kind,
       group_->connectAll();
     } else {
       group_->connect(peer);
-      if (auto failure = group_->peerFailure(peer)) {
-        C10_THROW_ERROR(DistBackendError, c10::str("smfree: ", op, " with rank ", peer,
-                                                   " refused: ", *failure));
-      }
     }
   } catch (const engine::Error& error) {
-    C10_THROW_ERROR(DistBackendError, error.what());
+    C10_THROW_ERROR(DistBackendError,
+                    c10::str("smfree: ",
+                             describeCall(kind, getRank(), peer, tag, tensor, group_->config().name),
+                             " cannot connect: ", engine::reasonOf(error)));
+  }
+  if (peer != engine::kAnySource) {
+    if (auto failure = group_->peerFailure(peer)) {
+      C10_THROW_ERROR(DistBackendError,
+                      c10::str("smfree: ",
+                               describeCall(kind, getRank(), peer, tag, tensor,
+                                            group_->config().name),
+                               " refused: ", *failure));
+    }
   }
 
   const bool isSend = kind == engine::OpKind::kSend;

@@ -371,26 +371,49 @@ void Engine::attachPeer(uint64_t groupId, int rank, const PeerAddress& address) 
   if (!group || group->closed) {
     fail("group is closed");
   }
-  auto& peer = peers_[address.processKey];
-  if (!peer) {
-    peer = std::make_unique<Peer>();
-    peer->address = address;
-    peer->sameHost = address.hostKey == local_.hostKey;
-    if (peer->sameHost) {
-      peer->watch = std::make_unique<ProcessWatch>(address.pid);
-    }
-    const std::string key = address.processKey;
-    // Same host: shared memory and CMA need UCX's peer-failure handling off; the watch
-    // notices a dead peer instead.
-    const auto onError = [this, key](ucs_status_t status) {
-      onPeerFailure(key, concat("UCX reported ", ucxStatusText(status)));
-    };
-    peer->endpoint = std::make_unique<UcxEndpoint>(worker_->handle(), address.workerAddress,
-                                                   !peer->sameHost, onError);
-    peer->dataEndpoint = std::make_unique<UcxEndpoint>(
-        worker_->handle(), address.receiveWorkerAddress, !peer->sameHost, onError);
+  auto existing = peers_.find(address.processKey);
+  Peer* peer = existing != peers_.end() ? existing->second.get() : &addPeer(address);
+  group->peers[rank] = peer;
+  if (!peer->failed && !peer->endpoint) {
+    // Gone before we first reached it: its ops are refused as those of a peer that left later.
+    onPeerFailure(address.processKey, "the process exited");
   }
-  group->peers[rank] = peer.get();
+}
+
+Peer& Engine::addPeer(const PeerAddress& address) {
+  auto peer = std::make_unique<Peer>();
+  peer->address = address;
+  peer->sameHost = address.hostKey == local_.hostKey;
+  if (peer->sameHost) {
+    peer->watch = std::make_unique<ProcessWatch>(address.pid);
+  }
+  const std::string key = address.processKey;
+  // Same host: shared memory and CMA need UCX's peer-failure handling off; the watch
+  // notices a dead peer instead.
+  const auto onError = [this, key](ucs_status_t status) {
+    onPeerFailure(key, concat("UCX reported ", ucxStatusText(status)));
+  };
+  // A process that left before we first reach it gets no endpoints (attachPeer fails it). UCX
+  // cannot attach to a departed process's shared memory, so its refusal is checked against
+  // the watch too.
+  bool departed = peer->watch && !peer->watch->alive();
+  if (!departed) {
+    try {
+      peer->endpoint = std::make_unique<UcxEndpoint>(worker_->handle(), address.workerAddress,
+                                                     !peer->sameHost, onError);
+      peer->dataEndpoint = std::make_unique<UcxEndpoint>(
+          worker_->handle(), address.receiveWorkerAddress, !peer->sameHost, onError);
+    } catch (const Error& error) {
+      departed = peer->watch && !peer->watch->alive();
+      if (!departed) {
+        fail("cannot reach ", peer->describe(), " (did it close its groups?): ",
+             reasonOf(error));
+      }
+      if (peer->endpoint) peer->endpoint->peerGone();
+      peer->endpoint.reset();
+    }
+  }
+  return *(peers_[key] = std::move(peer));
 }
 
 void Engine::closeGroup(uint64_t groupId, StatusCode code, const std::string& reason) {

@@ -99,6 +99,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   bool runCommands();
   void registerGroup(std::shared_ptr<const GroupConfig> config);
   void attachPeer(uint64_t groupId, int rank, const PeerAddress& address);
+  Peer& addPeer(const PeerAddress& address);
   void closeGroup(uint64_t groupId, StatusCode code, const std::string& reason);
   std::string dumpPending(uint64_t groupId);
   size_t releasedOpsInFlight(std::optional<uint64_t> groupId);

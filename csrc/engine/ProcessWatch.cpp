@@ -15,7 +15,7 @@ ProcessWatch::ProcessWatch(int pid) : pid_(pid) {
 #ifdef SYS_pidfd_open
   fd_ = static_cast<int>(syscall(SYS_pidfd_open, pid, 0));
 #endif
-  if (fd_ < 0) {
+  if (fd_ < 0 && errno != ESRCH) {  // ESRCH: the process is gone, as kill(pid, 0) will say
     logOnce("pidfd", "pidfd_open is unavailable; peer processes are checked with kill(pid, 0)");
   }
 }
