@@ -228,9 +228,10 @@ def _peer_closed_before_first_contact(rank, world):
     return str(raised.value)
 
 
-def test_peer_that_closed_its_groups_before_it_was_first_reached_is_named():
-    # Shared memory only: UCX then needs the peer's segments to create an endpoint.
-    error = run_ranks(_peer_closed_before_first_contact, 2, env={"UCX_TLS": "sm,self"})[0]
+@pytest.mark.parametrize("env", [{"UCX_TLS": "sm,self"}, {"UCX_TLS": "tcp"}], ids=["shm", "tcp"])
+def test_peer_that_closed_its_groups_before_it_was_first_reached_is_named(env):
+    # UCX needs the peer's shared memory segments, or its listening socket over TCP.
+    error = run_ranks(_peer_closed_before_first_contact, 2, env=env)[0]
     assert re.search(r"send on rank 0 to rank 1 \(group '.*', tag 0, 16 B\) cannot connect: "
                      r"cannot reach pid \d+ on host .* \(did it close its groups\?\): UCX "
                      r"ucp_ep_create failed", error), error
