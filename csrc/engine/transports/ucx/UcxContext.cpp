@@ -2,6 +2,7 @@
 
 #include <cstdlib>
 #include <memory>
+#include <sstream>
 #include <string>
 
 #include "engine/Error.h"
@@ -14,10 +15,34 @@ struct ConfigDeleter {
   void operator()(ucp_config_t* config) const { ucp_config_release(config); }
 };
 
-// Replaces one of UCX's defaults; the user's UCX_<name> wins.
-void setDefault(ucp_config_t* config, const std::string& name, const std::string& value) {
+// Replaces one of UCX's defaults; the user's UCX_<name> wins. `key` is the name
+// ucp_config_modify takes, where it differs.
+void setDefault(ucp_config_t* config, const std::string& name, const std::string& value,
+                const std::string& key = {}) {
   if (std::getenv(("UCX_" + name).c_str())) return;
-  checkUcx(ucp_config_modify(config, name.c_str(), value.c_str()), "setting " + name);
+  const std::string& modified = key.empty() ? name : key;
+  checkUcx(ucp_config_modify(config, modified.c_str(), value.c_str()), "setting " + name);
+}
+
+// UCX before 1.17 names a transport's settings without its prefix when they are modified
+// through ucp_config_modify (and warns that "TCP_TX_SEG_SIZE" is unused); later UCX takes the
+// prefixed name. Only TCP has a TX_SEG_SIZE setting.
+const char* tcpSegmentSizeKey() {
+  unsigned major = 0, minor = 0, release = 0;
+  ucp_get_version(&major, &minor, &release);
+  return (major > 1 || (major == 1 && minor >= 17)) ? "TCP_TX_SEG_SIZE" : "TX_SEG_SIZE";
+}
+
+// Whether UCX_TLS leaves TCP in; UCX before 1.17 warns of TCP settings when it does not.
+bool tcpAllowed() {
+  const char* tls = std::getenv("UCX_TLS");
+  if (!tls || tls[0] == '^') return true;  // unset, or a list of exclusions
+  std::stringstream list(tls);
+  std::string name;
+  while (std::getline(list, name, ',')) {
+    if (name == "tcp" || name == "all") return true;
+  }
+  return false;
 }
 
 std::unique_ptr<ucp_config_t, ConfigDeleter> readConfig(const Config& config) {
@@ -29,7 +54,7 @@ std::unique_ptr<ucp_config_t, ConfigDeleter> readConfig(const Config& config) {
   // With UCX's 8 KiB TCP send segments, one TCP connection moved 1.6 GB/s of 16 MiB messages
   // (ucx_perftest tag_bw, loopback); 64 KiB segments moved 5.5 GB/s. A rank with one NIC
   // toward a peer on another host has one such connection.
-  setDefault(owned.get(), "TCP_TX_SEG_SIZE", "64K");
+  if (tcpAllowed()) setDefault(owned.get(), "TCP_TX_SEG_SIZE", "64K", tcpSegmentSizeKey());
   return owned;
 }
 
