@@ -404,13 +404,13 @@ Peer& Engine::addPeer(const PeerAddress& address) {
       peer->dataEndpoint = std::make_unique<UcxEndpoint>(
           worker_->handle(), address.receiveWorkerAddress, !peer->sameHost, onError);
     } catch (const Error& error) {
+      if (peer->endpoint) peer->endpoint->peerGone();  // unreachable: no flush to wait for
+      peer->endpoint.reset();
       departed = peer->watch && !peer->watch->alive();
       if (!departed) {
         fail("cannot reach ", peer->describe(), " (did it close its groups?): ",
              reasonOf(error));
       }
-      if (peer->endpoint) peer->endpoint->peerGone();
-      peer->endpoint.reset();
     }
   }
   return *(peers_[key] = std::move(peer));

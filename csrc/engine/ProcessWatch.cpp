@@ -14,8 +14,11 @@ namespace smfree::engine {
 ProcessWatch::ProcessWatch(int pid) : pid_(pid) {
 #ifdef SYS_pidfd_open
   fd_ = static_cast<int>(syscall(SYS_pidfd_open, pid, 0));
+  const int error = fd_ < 0 ? errno : 0;
+#else
+  const int error = ENOSYS;
 #endif
-  if (fd_ < 0 && errno != ESRCH) {  // ESRCH: the process is gone, as kill(pid, 0) will say
+  if (fd_ < 0 && error != ESRCH) {  // ESRCH: the process is gone, as kill(pid, 0) will say
     logOnce("pidfd", "pidfd_open is unavailable; peer processes are checked with kill(pid, 0)");
   }
 }
