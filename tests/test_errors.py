@@ -216,25 +216,40 @@ def test_peer_that_left_before_it_was_first_reached_is_refused_by_name():
 
 def _peer_closed_before_first_contact(rank, world):
     store = dist.distributed_c10d._get_default_store()
-    if rank == 1:
+    if rank == world - 1:
         dist.destroy_process_group()  # its engine, and the shared memory UCX offered, are gone
         store.set("closed", "1")
-        store.wait(["checked"], datetime.timedelta(seconds=30))  # alive while rank 0 tries
+        store.wait(["checked"], datetime.timedelta(seconds=30))  # alive while the others try
         return None
     store.get("closed")
-    with pytest.raises(dist.DistBackendError) as raised:
-        dist.send(torch.ones(4), 1)
-    store.set("checked", "1")
-    return str(raised.value)
+    result = None
+    if rank == 0:
+        with pytest.raises(dist.DistBackendError) as raised:
+            dist.send(torch.ones(4), world - 1)
+        result = str(raised.value)
+        if world == 3:
+            # A recv from any source passes the closed rank over and takes rank 1's message.
+            got = torch.empty(4)
+            result = (result, dist.recv(got), got.tolist())
+        store.set("checked", "1")
+    else:
+        dist.send(torch.full((4,), 7.0), 0)  # returns once rank 0 has taken it
+    return result
 
 
 @pytest.mark.parametrize("env", [{"UCX_TLS": "sm,self"}, {"UCX_TLS": "tcp"}], ids=["shm", "tcp"])
 def test_peer_that_closed_its_groups_before_it_was_first_reached_is_named(env):
     # UCX needs the peer's shared memory segments, or its listening socket over TCP.
     error = run_ranks(_peer_closed_before_first_contact, 2, env=env)[0]
-    assert re.search(r"send on rank 0 to rank 1 \(group '.*', tag 0, 16 B\) cannot connect: "
-                     r"cannot reach pid \d+ on host .* \(did it close its groups\?\): UCX "
-                     r"ucp_ep_create failed", error), error
+    assert re.search(r"send on rank 0 to rank 1 \(group '.*', tag 0, 16 B\) refused: its peer "
+                     r"process \(pid \d+ on host .*\) failed: cannot reach it \(did it close its "
+                     r"groups\?\): UCX ucp_ep_create failed", error), error
+
+
+def test_recv_from_any_source_passes_over_a_peer_that_closed_its_groups():
+    error, source, got = run_ranks(_peer_closed_before_first_contact, 3)[0]
+    assert "rank 0 to rank 2" in error and "cannot reach it" in error
+    assert source == 1 and got == [7.0] * 4
 
 
 def test_killed_peer_fails_pending_ops_within_timeout():

@@ -372,20 +372,27 @@ void Engine::attachPeer(uint64_t groupId, int rank, const PeerAddress& address) 
     fail("group is closed");
   }
   auto existing = peers_.find(address.processKey);
-  Peer* peer = existing != peers_.end() ? existing->second.get() : &addPeer(address);
-  group->peers[rank] = peer;
-  if (!peer->failed && !peer->endpoint) {
-    // Gone before we first reached it: its ops are refused as those of a peer that left later.
-    onPeerFailure(address.processKey, "the process exited");
+  if (existing != peers_.end()) {
+    group->peers[rank] = existing->second.get();
+    return;
+  }
+  NewPeer added = makePeer(address);
+  group->peers[rank] = added.peer.get();
+  peers_.emplace(address.processKey, std::move(added.peer));
+  if (added.unreachable) {
+    // Its ops are refused, and recvs from any source pass it over, as with a peer that failed
+    // later. Its engine is gone for good: a new one would publish a new process key.
+    onPeerFailure(address.processKey, *added.unreachable);
   }
 }
 
-Peer& Engine::addPeer(const PeerAddress& address) {
+Engine::NewPeer Engine::makePeer(const PeerAddress& address) {
   auto peer = std::make_unique<Peer>();
   peer->address = address;
   peer->sameHost = address.hostKey == local_.hostKey;
   if (peer->sameHost) {
     peer->watch = std::make_unique<ProcessWatch>(address.pid);
+    if (!peer->watch->alive()) return {std::move(peer), "the process exited"};
   }
   const std::string key = address.processKey;
   // Same host: shared memory and CMA need UCX's peer-failure handling off; the watch
@@ -393,27 +400,20 @@ Peer& Engine::addPeer(const PeerAddress& address) {
   const auto onError = [this, key](ucs_status_t status) {
     onPeerFailure(key, concat("UCX reported ", ucxStatusText(status)));
   };
-  // A process that left before we first reach it gets no endpoints (attachPeer fails it). UCX
-  // cannot attach to a departed process's shared memory, so its refusal is checked against
-  // the watch too.
-  bool departed = peer->watch && !peer->watch->alive();
-  if (!departed) {
-    try {
-      peer->endpoint = std::make_unique<UcxEndpoint>(worker_->handle(), address.workerAddress,
-                                                     !peer->sameHost, onError);
-      peer->dataEndpoint = std::make_unique<UcxEndpoint>(
-          worker_->handle(), address.receiveWorkerAddress, !peer->sameHost, onError);
-    } catch (const Error& error) {
-      if (peer->endpoint) peer->endpoint->peerGone();  // unreachable: no flush to wait for
-      peer->endpoint.reset();
-      departed = peer->watch && !peer->watch->alive();
-      if (!departed) {
-        fail("cannot reach ", peer->describe(), " (did it close its groups?): ",
-             reasonOf(error));
-      }
-    }
+  try {
+    peer->endpoint = std::make_unique<UcxEndpoint>(worker_->handle(), address.workerAddress,
+                                                   !peer->sameHost, onError);
+    peer->dataEndpoint = std::make_unique<UcxEndpoint>(
+        worker_->handle(), address.receiveWorkerAddress, !peer->sameHost, onError);
+  } catch (const Error& error) {
+    // UCX cannot attach to the shared memory or socket of an engine that has closed.
+    if (peer->endpoint) peer->endpoint->peerGone();  // unreachable: no flush to wait for
+    peer->endpoint.reset();
+    if (peer->watch && !peer->watch->alive()) return {std::move(peer), "the process exited"};
+    return {std::move(peer),
+            concat("cannot reach it (did it close its groups?): ", reasonOf(error))};
   }
-  return *(peers_[key] = std::move(peer));
+  return {std::move(peer), std::nullopt};
 }
 
 void Engine::closeGroup(uint64_t groupId, StatusCode code, const std::string& reason) {

@@ -99,7 +99,11 @@ class Engine : public std::enable_shared_from_this<Engine> {
   bool runCommands();
   void registerGroup(std::shared_ptr<const GroupConfig> config);
   void attachPeer(uint64_t groupId, int rank, const PeerAddress& address);
-  Peer& addPeer(const PeerAddress& address);
+  struct NewPeer {
+    std::unique_ptr<Peer> peer;
+    std::optional<std::string> unreachable;  // why it has no endpoints
+  };
+  NewPeer makePeer(const PeerAddress& address);
   void closeGroup(uint64_t groupId, StatusCode code, const std::string& reason);
   std::string dumpPending(uint64_t groupId);
   size_t releasedOpsInFlight(std::optional<uint64_t> groupId);
