@@ -36,13 +36,15 @@ const char* tcpSegmentSizeKey() {
 // Whether UCX_TLS leaves TCP in; UCX before 1.17 warns of TCP settings when it does not.
 bool tcpAllowed() {
   const char* tls = std::getenv("UCX_TLS");
-  if (!tls || tls[0] == '^') return true;  // unset, or a list of exclusions
-  std::stringstream list(tls);
+  if (!tls) return true;
+  const bool excluding = tls[0] == '^';  // "^a,b": every transport but these
+  std::stringstream list(tls + (excluding ? 1 : 0));
   std::string name;
   while (std::getline(list, name, ',')) {
-    if (name == "tcp" || name == "all") return true;
+    if (name == "tcp") return !excluding;
+    if (name == "all" && !excluding) return true;
   }
-  return false;
+  return excluding;
 }
 
 std::unique_ptr<ucp_config_t, ConfigDeleter> readConfig(const Config& config) {
