@@ -5,7 +5,9 @@ megatron-core's schedules through a `P2PCommunicator` and a `ProcessGroupCollect
 other group (tensor, data, embedding, WORLD) stays on NCCL.
 
 One launch trains the same model from the same initial weights once per (P2P mode, backend)
-pair, so NCCL and smfree are compared in one process, on one set of GPUs, in the same minutes:
+pair, so NCCL and smfree are compared in one process, on one set of GPUs, in the same minutes
+(`--rounds N` does it N times, alternating which backend goes first, for ratios less swayed by
+the machine's drift; a pair's step time is then the median over all its rounds' steps):
 
     torchrun --nproc-per-node=2 examples/megatron_core_gpt.py
     torchrun --nproc-per-node=4 examples/megatron_core_gpt.py --vpp 2 --json out.json
@@ -70,6 +72,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--micro-batches", type=int, default=16, help="micro-batches per step")
     add("--steps", type=int, default=8, help="measured steps per run")
     add("--warmup-steps", type=int, default=2, help="steps run before the measured ones")
+    add("--rounds", type=int, default=1,
+        help="runs of each mode and backend, alternating which backend goes first")
     add("--lr", type=float, default=3e-4)
     add("--seed", type=int, default=1234)
     add("--modes", nargs="+", choices=MODES, default=None,
@@ -77,6 +81,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
     add("--json", default=None, help="also write the results here (last stage)")
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     if "overlapped" in (args.modes or []) and args.vpp == 1:
         parser.error("mode 'overlapped' needs --vpp > 1 (megatron-core allows it only there)")
     return args
@@ -257,17 +263,30 @@ def train(args, chunks, config, initial, pp_group, mode, backend) -> dict:
     return {"mode": mode, "backend": backend, "losses": losses, "step_s": times}
 
 
+def merge_rounds(runs: list[dict]) -> dict[str, dict[str, dict]]:
+    """By mode, then backend: every round's step times together, and each round's median."""
+    by_mode: dict[str, dict[str, dict]] = {}
+    for run in runs:
+        merged = by_mode.setdefault(run["mode"], {}).setdefault(
+            run["backend"], {"mode": run["mode"], "backend": run["backend"],
+                             "losses": run["losses"], "step_s": [], "round_medians_ms": [],
+                             "losses_equal_across_rounds": True})
+        merged["step_s"] += run["step_s"]
+        merged["round_medians_ms"].append(statistics.median(run["step_s"]) * 1e3)
+        merged["losses_equal_across_rounds"] &= run["losses"] == merged["losses"]
+    return by_mode
+
+
 def report(args: argparse.Namespace, runs: list[dict]) -> None:
     flops = flops_per_step(args)
     world = dist.get_world_size()
     print(f"\nGPT {args.layers} layers, hidden {args.hidden}, {args.heads} heads, seq {args.seq}, "
           f"vocab {args.vocab}; PP {args.pp}, VPP {args.vpp}, {args.micro_batches} micro-batches "
-          f"of {args.micro_batch}; bf16; {args.steps} measured steps after {args.warmup_steps}")
+          f"of {args.micro_batch}; bf16; {args.steps} measured steps after {args.warmup_steps}, "
+          f"{args.rounds} round(s)")
     print(f"{'mode':<11} {'backend':<7} {'step ms':>9} {'TFLOP/s/GPU':>12} {'vs nccl':>8}  "
           f"losses")
-    by_mode = {}
-    for run in runs:
-        by_mode.setdefault(run["mode"], {})[run["backend"]] = run
+    by_mode = merge_rounds(runs)
     for mode, pair in by_mode.items():
         for backend, run in pair.items():
             step = statistics.median(run["step_s"])
@@ -277,16 +296,26 @@ def report(args: argparse.Namespace, runs: list[dict]) -> None:
             if backend != "nccl" and "nccl" in pair:
                 ratio = f"{step / statistics.median(pair['nccl']['step_s']):.3f}"
                 run["vs_nccl"] = float(ratio)
+                run["vs_nccl_by_round"] = [
+                    round(mine / theirs, 3) for mine, theirs
+                    in zip(run["round_medians_ms"], pair["nccl"]["round_medians_ms"])]
             shown = " ".join(f"{loss:.4f}" for loss in run["losses"])
             print(f"{mode:<11} {backend:<7} {step * 1e3:9.1f} {run['tflops_per_gpu']:12.1f} "
                   f"{ratio:>8}  {shown}")
+            if args.rounds > 1 and "vs_nccl_by_round" in run:
+                print(f"{mode:<11} {backend:<7} by round: "
+                      + " ".join(f"{r:.3f}" for r in run["vs_nccl_by_round"]))
+            if not run["losses_equal_across_rounds"]:
+                print(f"{mode:<11} {backend:<7} losses differ between rounds")
         if len(pair) == 2:
             same = [a == b for a, b in zip(pair["nccl"]["losses"], pair["smfree"]["losses"])]
             print(f"{mode:<11} losses bitwise equal on nccl and smfree: "
                   f"{sum(same)}/{len(same)} steps")
     if args.json:
+        merged = [run for pair in by_mode.values() for run in pair.values()]
         with open(args.json, "w") as out:
-            json.dump({"args": vars(args), "flops_per_step": flops, "runs": runs}, out, indent=1)
+            json.dump({"args": vars(args), "flops_per_step": flops, "runs": merged,
+                       "rounds": runs}, out, indent=1)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -304,16 +333,19 @@ def main(argv: list[str] | None = None) -> None:
               "group (NCCL here) in both backends' runs")
 
     runs = []
-    for index, mode in enumerate(args.modes):
-        # Alternate which backend goes first, so neither always runs on a warmer machine.
-        order = args.backends if index % 2 == 0 else list(reversed(args.backends))
-        for backend in order:
-            runs.append(train(args, chunks, config, initial, groups[backend], mode, backend))
-            if last_stage:
-                run = runs[-1]
-                print(f"{mode} on {backend}: median step "
-                      f"{statistics.median(run['step_s']) * 1e3:.1f} ms, last loss "
-                      f"{run['losses'][-1]:.4f}", flush=True)
+    for round_index in range(args.rounds):
+        for index, mode in enumerate(args.modes):
+            # Alternate which backend goes first, so neither always runs on a warmer machine.
+            first = (index + round_index) % 2 == 0
+            order = args.backends if first else list(reversed(args.backends))
+            for backend in order:
+                run = train(args, chunks, config, initial, groups[backend], mode, backend)
+                run["round"] = round_index
+                runs.append(run)
+                if last_stage:
+                    print(f"{mode} on {backend} (round {round_index + 1}/{args.rounds}): median "
+                          f"step {statistics.median(run['step_s']) * 1e3:.1f} ms, last loss "
+                          f"{run['losses'][-1]:.4f}", flush=True)
     if last_stage:
         report(args, runs)
     dist.barrier(device_ids=[torch.cuda.current_device()])
