@@ -142,6 +142,15 @@ def test_late_partner_of_a_timed_out_send_gets_an_error_and_order_holds():
     assert value == 2.0
 
 
+def _swap_with_the_other_survivor(rank):
+    got = torch.empty(2)
+    ops = [dist.P2POp(dist.isend, torch.full((2,), float(rank)), 1 - rank),
+           dist.P2POp(dist.irecv, got, 1 - rank)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return got
+
+
 def _peer_dies(rank, world):
     if rank == 2:
         dist.barrier()
@@ -156,11 +165,7 @@ def _peer_dies(rank, world):
             error = str(failure)
     elapsed = time.monotonic() - started
     # The survivors still talk to each other.
-    got = torch.empty(2)
-    ops = [dist.P2POp(dist.isend, torch.full((2,), float(rank)), 1 - rank),
-           dist.P2POp(dist.irecv, got, 1 - rank)]
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
+    got = _swap_with_the_other_survivor(rank)
     assert torch.all(got == 1 - rank)
     if rank == 0:
         with pytest.raises(dist.DistBackendError, match="refused: its peer process"):
@@ -195,12 +200,7 @@ def _peer_gone_before_first_contact(rank, world):
             with pytest.raises(dist.DistBackendError) as raised:
                 call()
             errors.append(str(raised.value))
-    got = torch.empty(2)
-    ops = [dist.P2POp(dist.isend, torch.full((2,), float(rank)), 1 - rank),
-           dist.P2POp(dist.irecv, got, 1 - rank)]
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
-    return errors, got.tolist()
+    return errors, _swap_with_the_other_survivor(rank).tolist()
 
 
 def test_peer_that_left_before_it_was_first_reached_is_refused_by_name():

@@ -118,6 +118,9 @@ SmFreeBackend::PreparedOp SmFreeBackend::prepare(engine::OpKind kind,
   if (peer != engine::kAnySource) {
     checkPeer(peer, getRank(), getSize(), op);
   }
+  const auto call = [&] {
+    return describeCall(kind, getRank(), peer, tag, tensor, group_->config().name);
+  };
   // Arguments are checked first, so a bad call gets the same error whatever its peer's state.
   try {
     if (peer == engine::kAnySource) {
@@ -127,17 +130,11 @@ SmFreeBackend::PreparedOp SmFreeBackend::prepare(engine::OpKind kind,
     }
   } catch (const engine::Error& error) {
     C10_THROW_ERROR(DistBackendError,
-                    c10::str("smfree: ",
-                             describeCall(kind, getRank(), peer, tag, tensor, group_->config().name),
-                             " cannot connect: ", engine::reasonOf(error)));
+                    c10::str("smfree: ", call(), " cannot connect: ", engine::reasonOf(error)));
   }
   if (peer != engine::kAnySource) {
     if (auto failure = group_->peerFailure(peer)) {
-      C10_THROW_ERROR(DistBackendError,
-                      c10::str("smfree: ",
-                               describeCall(kind, getRank(), peer, tag, tensor,
-                                            group_->config().name),
-                               " refused: ", *failure));
+      C10_THROW_ERROR(DistBackendError, c10::str("smfree: ", call(), " refused: ", *failure));
     }
   }
 
