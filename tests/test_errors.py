@@ -203,6 +203,31 @@ def _peer_gone_before_first_contact(rank, world):
     return errors, _swap_with_the_other_survivor(rank).tolist()
 
 
+def _outlive_a_peer(rank, world):
+    store = dist.distributed_c10d._get_default_store()
+    peer = 1 - rank
+    mine, got = torch.full((1 << 20,), float(rank)), torch.empty(1 << 20)
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, peer),
+                                    dist.P2POp(dist.irecv, got, peer)])
+    for work in works:
+        work.wait()
+    if rank == 1:
+        store.set("pid1", str(os.getpid()))
+        os._exit(0)
+    _await_exit(int(store.get("pid1")), 10)
+    # Long enough for the engine to drop the endpoints to the dead peer and for UCX to see
+    # the sockets close.
+    time.sleep(2.0)
+    return got.min().item(), got.max().item()
+
+
+@pytest.mark.parametrize("tls", ["tcp", "shm"])
+def test_rank_outlives_a_peer_that_exited_after_talking_to_it(tls):
+    # UCX reports a failure on an endpoint the engine has dropped: to nothing, not to freed
+    # memory (it cannot force-close endpoints to same-host peers, so they stay open).
+    assert run_ranks(_outlive_a_peer, 2, env={"UCX_TLS": tls}, expect_exit=(1,))[0] == (1, 1)
+
+
 def test_peer_that_left_before_it_was_first_reached_is_refused_by_name():
     results = run_ranks(_peer_gone_before_first_contact, 3, group_timeout_s=20,
                         expect_exit=(2,))

@@ -305,7 +305,7 @@ void Engine::checkPeers() {
     if (peer->watch && !peer->failed && !peer->watch->alive()) {
       onPeerFailure(key, "the process exited");
     }
-    // Closing here, outside any UCX callback, completes the requests still queued to it.
+    // Dropped here, outside any UCX callback; UCX keeps them until the worker goes.
     if (peer->failed && peer->sameHost && peer->endpoint) {
       peer->endpoint->peerGone();
       peer->endpoint.reset();

@@ -9,32 +9,45 @@ namespace smfree::engine {
 
 UcxEndpoint::UcxEndpoint(ucp_worker_h worker, const std::vector<uint8_t>& address,
                          bool peerFailureHandling, ErrorHandler onError)
-    : worker_(worker), forceClose_(peerFailureHandling), onError_(std::move(onError)) {
+    : worker_(worker),
+      peerFailureHandling_(peerFailureHandling),
+      errorTarget_(std::make_unique<ErrorTarget>(ErrorTarget{std::move(onError)})) {
   ucp_ep_params_t params{};
   params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                       UCP_EP_PARAM_FIELD_ERR_HANDLER;
   params.address = reinterpret_cast<const ucp_address_t*>(address.data());
   params.err_mode = peerFailureHandling ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
   params.err_handler.cb = &UcxEndpoint::onError;
-  params.err_handler.arg = this;
+  params.err_handler.arg = errorTarget_.get();
   checkUcx(ucp_ep_create(worker_, &params, &endpoint_), "ucp_ep_create");
 }
 
 UcxEndpoint::~UcxEndpoint() {
+  if (close()) return;
+  // UCX may still report an error on the endpoint: to a target that stays, and does nothing.
+  errorTarget_->onError = nullptr;
+  static_cast<void>(errorTarget_.release());
+}
+
+bool UcxEndpoint::close() {
+  // UCX forces a close only where it handles peer failures, and a flush toward a gone peer
+  // would wait out its bound: such an endpoint is left to the worker's destruction.
+  if (peerGone_ && !peerFailureHandling_) return false;
   ucp_request_param_t params{};
   params.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-  params.flags = forceClose_ ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+  params.flags = peerFailureHandling_ ? UCP_EP_CLOSE_FLAG_FORCE : 0;
   void* request = ucp_ep_close_nbx(endpoint_, &params);
-  if (request == nullptr || UCS_PTR_IS_ERR(request)) {
-    return;
-  }
+  if (request == nullptr) return true;
+  if (UCS_PTR_IS_ERR(request)) return false;
   // The bound guards against a peer that died during a flush.
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
   while (ucp_request_check_status(request) == UCS_INPROGRESS &&
          std::chrono::steady_clock::now() < deadline) {
     ucp_worker_progress(worker_);
   }
+  const bool closed = ucp_request_check_status(request) != UCS_INPROGRESS;
   ucp_request_free(request);
+  return closed;
 }
 
 std::optional<std::vector<std::string>> UcxEndpoint::transports() const {
@@ -56,8 +69,9 @@ std::optional<std::vector<std::string>> UcxEndpoint::transports() const {
   return names;
 }
 
-void UcxEndpoint::onError(void* self, ucp_ep_h, ucs_status_t status) {
-  static_cast<UcxEndpoint*>(self)->onError_(status);
+void UcxEndpoint::onError(void* target, ucp_ep_h, ucs_status_t status) {
+  const ErrorTarget& errorTarget = *static_cast<ErrorTarget*>(target);
+  if (errorTarget.onError) errorTarget.onError(status);
 }
 
 }  // namespace smfree::engine

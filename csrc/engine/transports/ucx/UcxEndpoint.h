@@ -4,24 +4,26 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
 namespace smfree::engine {
 
-// A UCX endpoint to one remote worker. Not movable: UCX holds a pointer to it for the error
-// callback. With `peerFailureHandling`, UCX reports a failed peer (it then uses only
-// transports that can notice one, which excludes shared memory); without it, the owner
-// watches the peer itself and calls peerGone().
+// A UCX endpoint to one remote worker. With `peerFailureHandling`, UCX reports a failed peer
+// (it then uses only transports that can notice one, which excludes shared memory); without
+// it, the owner watches the peer itself and calls peerGone().
 class UcxEndpoint {
  public:
   using ErrorHandler = std::function<void(ucs_status_t)>;
 
   UcxEndpoint(ucp_worker_h worker, const std::vector<uint8_t>& address, bool peerFailureHandling,
               ErrorHandler onError);
-  // Flushes while the peer lives; a gone peer (or UCX's failure handling) allows a forced close,
-  // which completes outstanding requests with UCS_ERR_CANCELED.
+  // With UCX's failure handling, a forced close, which completes outstanding requests with
+  // UCS_ERR_CANCELED; without, a flush while the peer lives. An endpoint left open (its peer
+  // gone, or its flush past its bound) stays in UCX until the worker goes: its error target
+  // then outlives this object and calls no one.
   ~UcxEndpoint();
   UcxEndpoint(const UcxEndpoint&) = delete;
   UcxEndpoint& operator=(const UcxEndpoint&) = delete;
@@ -31,15 +33,23 @@ class UcxEndpoint {
   // cannot tell (before 1.14) or the query fails. Ask once the lanes are settled (after the
   // first message).
   std::optional<std::vector<std::string>> transports() const;
-  void peerGone() { forceClose_ = true; }
+  void peerGone() { peerGone_ = true; }
 
  private:
-  static void onError(void* self, ucp_ep_h endpoint, ucs_status_t status);
+  // What UCX's error callback reaches: held apart from the endpoint, whose lifetime UCX does
+  // not know.
+  struct ErrorTarget {
+    ErrorHandler onError;
+  };
+  static void onError(void* target, ucp_ep_h endpoint, ucs_status_t status);
+  // Whether UCX has closed the endpoint when this returns.
+  bool close();
 
   ucp_worker_h worker_;
   ucp_ep_h endpoint_ = nullptr;
-  bool forceClose_;
-  ErrorHandler onError_;
+  const bool peerFailureHandling_;
+  bool peerGone_ = false;
+  std::unique_ptr<ErrorTarget> errorTarget_;
 };
 
 }  // namespace smfree::engine
