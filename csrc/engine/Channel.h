@@ -18,6 +18,9 @@ class Channel {
   using Done = std::function<void(const std::shared_ptr<Op>&, const Status&)>;
 
   virtual ~Channel() = default;
+  // Sender, when the send is posted (before its receiver has matched it): start what needs
+  // no receiver.
+  virtual void prepareSend(const std::shared_ptr<Op>& send, Peer& destination) {}
   // Receiver: get ready for the bytes; returns what the sender's side needs to deliver them.
   virtual std::string armRecv(const std::shared_ptr<Op>& recv, Peer& source) = 0;
   // Sender: deliver the bytes, given what armRecv returned on the receiver.

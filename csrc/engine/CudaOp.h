@@ -68,6 +68,8 @@ struct CudaFence {
   cuda::Flag queued;
   cuda::Flag done;
   std::shared_ptr<cuda::Event> copied;
+  // A CUDA recv over UCX: its op id, so that wait() can ask for it to be parked (Op).
+  uint64_t parkableRecv = 0;
 };
 
 }  // namespace smfree::engine

@@ -105,7 +105,7 @@ Engine::Engine(Private)
   control_ = std::make_unique<UcxControl>(
       *worker_, [this](const void* data, size_t length) { onControlMessage(data, length); });
   ucxChannel_ = std::make_unique<UcxChannel>(
-      *worker_, *receiveLane_, *flags_, config_.hostStagingPieceBytes,
+      *worker_, *receiveLane_, *flags_, config_.hostStagingPieceBytes, [this] { return mayPark(); },
       [this](const std::shared_ptr<Op>& op, const Status& status) { onTransferDone(op, status); });
   copyEngine_ = std::make_unique<CopyEngineChannel>(
       *flags_, config_.ipcCacheSize, config_.stagingBytes,
@@ -191,6 +191,18 @@ std::optional<std::string> Engine::failureOf(const std::string& processKey) {
   std::lock_guard<std::mutex> lock(failuresMutex_);
   auto it = failures_.find(processKey);
   if (it == failures_.end()) {
+    return std::nullopt;
+  }
+  return it->second;
+}
+
+std::optional<std::string> Engine::failureAfterWait(uint64_t groupId) {
+  if (!anyFailure_.load(std::memory_order_acquire)) {
+    return std::nullopt;
+  }
+  std::lock_guard<std::mutex> lock(failuresMutex_);
+  auto it = failedAfterWait_.find(groupId);
+  if (it == failedAfterWait_.end()) {
     return std::nullopt;
   }
   return it->second;
@@ -352,6 +364,10 @@ void Engine::registerGroup(std::shared_ptr<const GroupConfig> config) {
     fail("group '", config->name, "' is already open in this process (or its name hashes like "
          "group '", existing->second.config->name, "')");
   }
+  {
+    std::lock_guard<std::mutex> lock(failuresMutex_);
+    failedAfterWait_.erase(id);  // of a closed group of the same name
+  }
   GroupState& state = groups_[id];
   state = GroupState{};
   state.config = config;
@@ -508,14 +524,44 @@ void Engine::startOp(const std::shared_ptr<Op>& op) {
     }
     if (op->isSend()) {
       op->seq = group->sendSeq[{op->request.peer, op->request.tag}]++;
+      // Announced first: preparing may take a while (pinned memory allocated), and the
+      // receiver can match meanwhile.
       sendControl(*peer, ReadyToSend{op->groupId, group->config->rank, op->request.tag, op->seq,
                                      op->id, op->request.desc, channelKindOf(*op)});
+      try {
+        channelFor(*op).prepareSend(op, *peer);
+      } catch (const Error& error) {
+        // Its clear-to-send then finds it failed and tells the receiver.
+        complete(op, Status::failure(StatusCode::kTransport, error.what()));
+      }
       return;
     }
   }
   if (auto match = group->matcher.postRecv(op)) {
     onMatched(*group, *match);
   }
+}
+
+void Engine::requestPark(uint64_t opId) {
+  std::shared_ptr<Op> op = findLive(opId);
+  if (op && !op->finished()) op->parkRequested = true;  // the channel parks it when it may
+}
+
+bool Engine::mayPark() {
+  // A parked copy holds back the GPU work submitted after it in its hardware queue (CudaOp.h),
+  // so none may be left that this process has still to submit for an op in flight: a peer may
+  // need it before it sends. Copies on the copy engines are submitted at the match, UCX's own
+  // copies of the CUDA buffers it moves unstaged whenever it moves them; staged copies out at
+  // the post, and copies in are needed by no peer.
+  for (const auto& [id, op] : live_) {
+    if (op->finished() || op->request.buffer.bytes == 0) continue;
+    if (op->cuda && !flags_->isSet(op->cuda->queued)) return false;
+    if (op->ucxCuda) {
+      Peer* peer = partnerOf(*op);
+      if (!peer || !ucxChannel_->staged(*op, *peer)) return false;
+    }
+  }
+  return true;
 }
 
 void Engine::onControlMessage(const void* data, size_t length) {
@@ -757,6 +803,15 @@ void Engine::complete(const std::shared_ptr<Op>& op, const Status& status) {
     return;
   }
   op->phase = Op::Phase::kDone;
+  if (op->parked && !status.ok()) {
+    // Its wait() has returned and its stream has copied whatever host memory held: the
+    // caller hears of it at its next call on the group.
+    std::lock_guard<std::mutex> lock(failuresMutex_);
+    failedAfterWait_.try_emplace(op->groupId, concat(op->describe(), " failed after its "
+                                                     "wait() returned, so its tensor holds "
+                                                     "wrong bytes: ", status.message));
+    anyFailure_.store(true, std::memory_order_release);
+  }
   OpCallback callback = std::move(op->request.onComplete);
   op->request.onComplete = nullptr;
   if (callback) {
@@ -899,7 +954,7 @@ CudaFence Engine::prepareUcxCuda(Op& op, std::chrono::milliseconds timeout) {
     throw;
   }
   op.streamReady = ready;
-  return CudaFence{op.ucxCuda->queued, {}, op.ucxCuda->copied};
+  return CudaFence{op.ucxCuda->queued, {}, op.ucxCuda->copied, op.isSend() ? 0 : op.id};
 }
 
 void Engine::awaitQueued(const cuda::Flag& queued, Clock::time_point deadline) {

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <deque>
 #include <optional>
 
 #include "engine/Error.h"
@@ -20,8 +21,9 @@ constexpr uint64_t kMostPieces = uint64_t{1} << kPieceBits;
 
 enum class PieceState : uint8_t {
   kWaiting,  // not yet touched
-  kCopying,  // staged: its copy out (send) or in (recv) is queued
+  kCopying,  // staged recv: its copy in is queued
   kInUcx,    // a UCX request moves it
+  kParked,   // staged recv: a UCX request moves it; its copy in waits for its flag word
   kLanded,   // staged recv: in host memory, not yet copied in
   kDone,
 };
@@ -43,23 +45,44 @@ Status copyFailure(const Op& op, const Error& error) {
   return Status::failure(StatusCode::kTransport, concat(op.describe(), ": ", error.what()));
 }
 
+// The pieces of a buffer: their size (0 for one piece) as `preferred` allows.
+uint64_t pieceBytesFor(uint64_t bytes, uint64_t preferred) {
+  if (preferred == 0 || bytes <= preferred) return 0;
+  return std::max(preferred, (bytes + kMostPieces - 1) / kMostPieces);
+}
+
+uint64_t pieceCount(uint64_t bytes, uint64_t pieceBytes) {
+  return pieceBytes == 0 ? 1 : (bytes + pieceBytes - 1) / pieceBytes;
+}
+
 }  // namespace
 
-// One op's bytes in this channel, from the clear-to-send (or arming) until no UCX request or
-// copy touches its buffer.
+// One op's bytes in this channel, from the clear-to-send (a staged send: from its post; a recv:
+// from its arming) until no UCX request or copy touches its buffer.
 struct UcxChannel::Movement {
+  // A staged send's copy out of one piece of its own size: bytes [.., end) are in host memory
+  // once `copied` is reached.
+  struct CopyOut {
+    uint64_t end;
+    std::shared_ptr<cuda::Event> copied;
+  };
+
   std::shared_ptr<Op> op;
   Peer* destination = nullptr;  // null for a recv
+  bool cleared = false;         // a send: its clear-to-send gave the tag and the pieces
   ucp_tag_t tag = 0;            // piece i travels under tag + i
   uint64_t pieceBytes = 0;      // 0: one piece
   bool staged = false;
-  bool started = false;  // pieces posted, or (staged send) their copies queued
+  bool started = false;  // pieces posted, or (staged send) their copies out queued
   std::shared_ptr<cuda::PinnedMemory> host;  // staged: what UCX moves instead of the buffer
   std::vector<PieceState> pieces;
-  std::vector<std::shared_ptr<cuda::Event>> copies;  // staged: each piece's copy, while queued
-  std::vector<void*> requests;                       // UCX requests not yet completed
-  uint32_t nextToTransmit = 0;                       // staged send: pieces go out in order
-  uint32_t copiesInQueued = 0;                       // staged recv
+  std::vector<std::shared_ptr<cuda::Event>> copies;  // staged recv: each piece's copy in
+  std::vector<std::optional<cuda::Flag>> parks;      // staged recv: each parked piece's word
+  std::deque<CopyOut> copiesOut;  // staged send: copies out not yet seen done, in order
+  uint64_t copiedOut = 0;         // staged send: bytes in host memory
+  std::vector<void*> requests;    // UCX requests not yet completed
+  uint32_t nextToTransmit = 0;    // staged send: pieces go out in order
+  uint32_t copiesInQueued = 0;    // staged recv
   uint32_t done = 0;
   std::optional<Status> failure;
   bool cancelled = false;  // its requests were cancelled after the failure
@@ -70,7 +93,17 @@ struct UcxChannel::Movement {
     const uint64_t total = op->request.buffer.bytes;
     return pieceBytes == 0 ? total : std::min(pieceBytes, total - offsetOf(piece));
   }
+  void setPieces(uint64_t bytes) {
+    pieceBytes = bytes;
+    const uint64_t count = pieceCount(op->request.buffer.bytes, bytes);
+    pieces.assign(count, PieceState::kWaiting);
+    copies.resize(count);
+    parks.resize(count);
+  }
   bool copyPending() const {
+    for (const CopyOut& copy : copiesOut) {
+      if (!copy.copied->reached()) return true;
+    }
     for (size_t i = 0; i < pieces.size(); ++i) {
       if (pieces[i] == PieceState::kCopying && !copies[i]->reached()) return true;
     }
@@ -85,11 +118,13 @@ struct UcxChannel::Transfer {
 };
 
 UcxChannel::UcxChannel(UcxWorker& sendWorker, UcxReceiveLane& receiveLane,
-                       const cuda::FlagSegment& flags, uint64_t pieceBytes, Done onDone)
+                       cuda::FlagSegment& flags, uint64_t pieceBytes,
+                       std::function<bool()> mayPark, Done onDone)
     : sendWorker_(sendWorker),
       receiveLane_(receiveLane),
       flags_(flags),
       pieceBytes_(pieceBytes),
+      mayPark_(std::move(mayPark)),
       onDone_(std::move(onDone)) {}
 
 UcxChannel::~UcxChannel() {
@@ -134,32 +169,36 @@ bool UcxChannel::onlyTcpToward(const Peer& peer) const {
   return tcpOnly;
 }
 
-UcxChannel::Movement& UcxChannel::track(const std::shared_ptr<Op>& op, Peer* destination,
-                                        ucp_tag_t tag, uint64_t pieceBytes) {
+bool UcxChannel::staged(const Op& op, Peer& peer) {
+  auto it = movements_.find(op.id);
+  return it != movements_.end() ? it->second->staged : stagesThroughHost(op, peer);
+}
+
+UcxChannel::Movement& UcxChannel::track(const std::shared_ptr<Op>& op, Peer* destination) {
   auto movement = std::make_unique<Movement>();
   movement->op = op;
   movement->destination = destination;
-  movement->tag = tag;
-  movement->pieceBytes = pieceBytes;
-  const uint64_t bytes = op->request.buffer.bytes;
-  const uint64_t count = pieceBytes == 0 ? 1 : (bytes + pieceBytes - 1) / pieceBytes;
-  movement->pieces.assign(count, PieceState::kWaiting);
-  movement->copies.resize(count);
   ++op->outstanding;  // the buffer is the channel's until the movement ends
   Movement& tracked = *movement;
   movements_[op->id] = std::move(movement);
   return tracked;
 }
 
+void UcxChannel::prepareSend(const std::shared_ptr<Op>& send, Peer& destination) {
+  if (!stagesThroughHost(*send, destination)) return;
+  Movement& movement = track(send, &destination);
+  movement.staged = true;
+  copyOut(movement);  // the copies wait for the caller's stream on the GPU
+}
+
 std::string UcxChannel::armRecv(const std::shared_ptr<Op>& recv, Peer& source) {
   const bool staged = stagesThroughHost(*recv, source);
   const uint64_t bytes = recv->request.buffer.bytes;
-  uint64_t pieceBytes = 0;
-  if (staged && pieceBytes_ != 0 && bytes > pieceBytes_) {
-    pieceBytes = std::max(pieceBytes_, (bytes + kMostPieces - 1) / kMostPieces);
-  }
+  const uint64_t pieceBytes = staged ? pieceBytesFor(bytes, pieceBytes_) : 0;
   const ucp_tag_t tag = recv->id << kPieceBits;
-  Movement& movement = track(recv, nullptr, tag, pieceBytes);
+  Movement& movement = track(recv, nullptr);
+  movement.tag = tag;
+  movement.setPieces(pieceBytes);
   movement.staged = staged;
   if (staged) {
     movement.host = staging_.take(recv->request.buffer.device, bytes);
@@ -197,10 +236,18 @@ void UcxChannel::startSend(const std::shared_ptr<Op>& send, Peer& destination,
                                          pieceBytes, " B pieces, too many")));
     return;
   }
-  Movement& movement = track(send, &destination, tag, pieceBytes);
-  movement.staged = stagesThroughHost(*send, destination);
+  auto prepared = movements_.find(send->id);  // staged: its copies out queued at its post
+  Movement& movement =
+      prepared != movements_.end() ? *prepared->second : track(send, &destination);
+  movement.cleared = true;
+  movement.tag = tag;
+  movement.setPieces(pieceBytes);
   if (movement.staged) {
-    copyOut(movement);  // the copies wait for the caller's stream on the GPU
+    // Matched: from here its wait() leaves the buffer to the caller's stream, which waits for
+    // the copies out. Not before, so a mismatch still reaches that wait().
+    if (!movement.failure) flags_.set(send->ucxCuda->queued);
+    countCopiedOut(movement);
+    transmitCopiedPieces(movement);
   } else {
     startOnceStreamReached(movement);
   }
@@ -219,18 +266,20 @@ void UcxChannel::copyOut(Movement& movement) {
   movement.started = true;
   const Op& op = *movement.op;
   const Buffer& buffer = op.request.buffer;
+  // Its own pieces, so that the first leaves before the last is copied; the receiver's
+  // pieces, which UCX moves, go once the bytes they span are out.
+  const uint64_t pieceBytes = pieceBytesFor(buffer.bytes, pieceBytes_);
   try {
     movement.host = staging_.take(buffer.device, buffer.bytes);
     staging_.copyToHostAfter(buffer.device, *op.ucxCuda->reached);
-    for (uint32_t piece = 0; piece < movement.pieces.size(); ++piece) {
-      movement.copies[piece] = staging_.copyToHost(buffer, *movement.host,
-                                                   movement.offsetOf(piece),
-                                                   movement.bytesOf(piece));
-      movement.pieces[piece] = PieceState::kCopying;
+    for (uint64_t offset = 0; offset < buffer.bytes;) {
+      const uint64_t bytes =
+          pieceBytes == 0 ? buffer.bytes : std::min(pieceBytes, buffer.bytes - offset);
+      movement.copiesOut.push_back(
+          {offset + bytes, staging_.copyToHost(buffer, *movement.host, offset, bytes)});
+      offset += bytes;
     }
-    // From here the caller's stream, not its CPU, waits for the buffer to be free.
     staging_.recordAfterCopiesToHost(buffer.device, *op.ucxCuda->copied);
-    flags_.set(op.ucxCuda->queued);
     ++hostStagedSends_;
   } catch (const Error& error) {
     movement.failure = copyFailure(op, error);
@@ -297,6 +346,10 @@ bool UcxChannel::progress() {
     auto it = movements_.find(id);
     std::unique_ptr<Movement> movement = std::move(it->second);
     movements_.erase(it);
+    // Every copy in has run, so no stream waits on these words any more.
+    for (const auto& park : movement->parks) {
+      if (park) flags_.release(*park);
+    }
     --movement->op->outstanding;
     onDone_(movement->op, movement->failure ? *movement->failure : Status::success());
     changed = true;
@@ -311,22 +364,40 @@ bool UcxChannel::advance(Movement& movement) {
   if (movement.failure) {
     if (movement.cancelled) return false;
     movement.cancelled = true;
+    releaseParkedCopies(movement);
     for (void* request : movement.requests) ucp_request_cancel(workerOf(movement), request);
     return true;
   }
+  if (movement.isSend() && !movement.cleared) return movement.staged && countCopiedOut(movement);
   if (!movement.started) return startOnceStreamReached(movement);
   if (!movement.staged) return false;
-  if (movement.isSend()) return transmitCopiedPieces(movement);
+  if (movement.isSend()) {
+    const bool counted = countCopiedOut(movement);
+    return transmitCopiedPieces(movement) || counted;
+  }
   const bool copying = copyInLandedPieces(movement);
-  return countCopiedInPieces(movement) || copying;
+  const bool parking = movement.op->parkRequested && !movement.op->parked &&
+                       movement.copiesInQueued < movement.pieces.size() && mayPark_();
+  if (parking) park(movement);
+  return countCopiedInPieces(movement) || copying || parking;
+}
+
+bool UcxChannel::countCopiedOut(Movement& movement) {
+  bool counted = false;
+  auto& copies = movement.copiesOut;
+  while (!copies.empty() && copies.front().copied->reached()) {
+    movement.copiedOut = copies.front().end;
+    copies.pop_front();
+    counted = true;
+  }
+  return counted;
 }
 
 bool UcxChannel::transmitCopiedPieces(Movement& movement) {
   bool posted = false;
   while (movement.nextToTransmit < movement.pieces.size() && !movement.failure) {
     const uint32_t piece = movement.nextToTransmit;
-    if (!movement.copies[piece]->reached()) break;
-    movement.copies[piece].reset();
+    if (movement.offsetOf(piece) + movement.bytesOf(piece) > movement.copiedOut) break;
     postPiece(movement, piece);
     ++movement.nextToTransmit;
     posted = true;
@@ -363,6 +434,40 @@ bool UcxChannel::copyInLandedPieces(Movement& movement) {
   return true;
 }
 
+void UcxChannel::park(Movement& movement) {
+  Op& op = *movement.op;
+  const Buffer& buffer = op.request.buffer;
+  try {
+    if (movement.copiesInQueued == 0) {
+      staging_.copyToDeviceAfter(buffer.device, *op.ucxCuda->reached);
+    }
+    for (uint32_t piece = 0; piece < movement.pieces.size(); ++piece) {
+      if (movement.pieces[piece] != PieceState::kInUcx) continue;
+      const cuda::Flag& word = movement.parks[piece].emplace(flags_.acquire());
+      movement.pieces[piece] = PieceState::kParked;
+      movement.copies[piece] = staging_.copyToDeviceOnceSet(
+          flags_.cudaAddress(word.index), word.value, *movement.host, buffer,
+          movement.offsetOf(piece), movement.bytesOf(piece));
+      ++movement.copiesInQueued;
+    }
+    // From here the caller's stream, not its CPU, waits for the bytes.
+    staging_.recordAfterCopiesToDevice(buffer.device, *op.ucxCuda->copied);
+    flags_.set(op.ucxCuda->queued);
+    op.parked = true;
+  } catch (const Error& error) {
+    movement.failure = copyFailure(op, error);
+  }
+}
+
+void UcxChannel::releaseParkedCopies(Movement& movement) {
+  for (uint32_t piece = 0; piece < movement.pieces.size(); ++piece) {
+    if (movement.pieces[piece] != PieceState::kParked) continue;
+    // The copy in then runs on whatever the host memory holds; the op has failed.
+    flags_.set(*movement.parks[piece]);
+    movement.pieces[piece] = movement.copies[piece] ? PieceState::kCopying : PieceState::kWaiting;
+  }
+}
+
 bool UcxChannel::countCopiedInPieces(Movement& movement) {
   bool counted = false;
   for (uint32_t piece = 0; piece < movement.pieces.size(); ++piece) {
@@ -380,7 +485,7 @@ bool UcxChannel::countCopiedInPieces(Movement& movement) {
 bool UcxChannel::ended(const Movement& movement) const {
   if (!movement.requests.empty()) return false;
   if (movement.failure) return !movement.copyPending();
-  return movement.done == movement.pieces.size();
+  return (!movement.isSend() || movement.cleared) && movement.done == movement.pieces.size();
 }
 
 bool UcxChannel::busy() const {
@@ -391,6 +496,7 @@ bool UcxChannel::busy() const {
   }
   for (const auto& [id, movement] : movements_) {
     if (!movement->started || movement->failure || ended(*movement)) return true;
+    if (!movement->copiesOut.empty()) return true;
     for (const PieceState state : movement->pieces) {
       if (state == PieceState::kCopying || state == PieceState::kLanded) return true;
     }
@@ -449,7 +555,13 @@ void UcxChannel::finish(const Completion& completion) {
     return;
   }
   if (movement.staged && !movement.isSend()) {
-    movement.pieces[piece] = PieceState::kLanded;
+    if (movement.failure) return;  // its parked pieces were let go, copies and all
+    if (movement.pieces[piece] == PieceState::kParked) {
+      flags_.set(*movement.parks[piece]);  // the stream's copy in may go
+      movement.pieces[piece] = PieceState::kCopying;
+    } else {
+      movement.pieces[piece] = PieceState::kLanded;
+    }
     return;
   }
   movement.pieces[piece] = PieceState::kDone;

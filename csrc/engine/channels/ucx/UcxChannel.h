@@ -1,5 +1,6 @@
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <unordered_map>
@@ -27,27 +28,36 @@ namespace smfree::engine {
 // caller's stream waits for its copies, queued before that wait (UcxCudaState).
 //
 // Toward a peer that UCX reaches over TCP alone, CUDA buffers go through pinned host memory
-// (HostStaging), in pieces so that copies and the network overlap: each piece of a send is
-// handed to UCX as soon as the copy engine has copied it out, and each piece of a recv is
+// (HostStaging), in pieces so that copies and the network overlap. A send is copied out when
+// it is posted, in pieces of the sender's size (the copies wait on the GPU for the stream to
+// reach the send), and each piece UCX moves goes as soon as the bytes it spans are out. The
+// receiver chooses those pieces and tells the sender with its clear-to-send; a sender that
+// does not stage sends the same pieces straight from its buffer. Each piece of a recv is
 // queued to be copied in as soon as it has landed (the copy waits on the GPU for the stream to
-// reach the recv). The receiver chooses the pieces and tells the sender with its clear-to-send;
-// a sender that does not stage sends the same pieces straight from its buffer.
+// reach the recv), or, once its wait() asks for it to be parked and `mayPark` allows, right
+// away, behind a stream wait for a flag word that the progress thread sets when it lands.
 class UcxChannel final : public Channel {
  public:
   // `pieceBytes`: size of the pieces of a staged recv (SMFREE_HOST_STAGING_PIECE_BYTES); 0 for
   // one piece.
   // `sendWorker` is the engine's (its thread calls every method here); `receiveLane` the one
   // that recvs are posted on.
-  UcxChannel(UcxWorker& sendWorker, UcxReceiveLane& receiveLane, const cuda::FlagSegment& flags,
-             uint64_t pieceBytes, Done onDone);
+  // `mayPark`: whether no GPU work this process has still to submit can be needed for a
+  // parked recv's bytes to come (Engine::mayPark).
+  UcxChannel(UcxWorker& sendWorker, UcxReceiveLane& receiveLane, cuda::FlagSegment& flags,
+             uint64_t pieceBytes, std::function<bool()> mayPark, Done onDone);
   ~UcxChannel() override;
 
+  void prepareSend(const std::shared_ptr<Op>& send, Peer& destination) override;
   std::string armRecv(const std::shared_ptr<Op>& recv, Peer& source) override;
   void startSend(const std::shared_ptr<Op>& send, Peer& destination,
                  const std::string& channelData) override;
   void cancel(Op& op) override;
   bool progress() override;
   bool busy() const override;
+  // Whether a CUDA op toward or from `peer` moves through host memory, where its copies are
+  // queued before its bytes move.
+  bool staged(const Op& op, Peer& peer);
   // The device of the latest CUDA buffer handed to UCX; -1 before the first.
   int cudaDevice() const { return cudaDevice_; }
   uint64_t hostStagedSends() const { return hostStagedSends_; }
@@ -72,14 +82,18 @@ class UcxChannel final : public Channel {
   // Decided, and logged, once per peer.
   bool stagesThroughHost(const Op& op, Peer& peer);
   bool onlyTcpToward(const Peer& peer) const;
-  Movement& track(const std::shared_ptr<Op>& op, Peer* destination, ucp_tag_t tag,
-                  uint64_t pieceBytes);
+  Movement& track(const std::shared_ptr<Op>& op, Peer* destination);
   // Moves what the movement's state allows; true if anything changed.
   bool advance(Movement& movement);
   bool startOnceStreamReached(Movement& movement);
   bool transmitCopiedPieces(Movement& movement);
   bool copyInLandedPieces(Movement& movement);
   bool countCopiedInPieces(Movement& movement);
+  bool countCopiedOut(Movement& movement);
+  // Queues the copies in of a staged recv's pieces still in UCX, each behind its flag word.
+  void park(Movement& movement);
+  // A failed movement: lets the streams past the flag words of its parked pieces.
+  void releaseParkedCopies(Movement& movement);
   void postPiece(Movement& movement, uint32_t piece);
   void copyOut(Movement& movement);
   bool ended(const Movement& movement) const;
@@ -90,8 +104,9 @@ class UcxChannel final : public Channel {
 
   UcxWorker& sendWorker_;
   UcxReceiveLane& receiveLane_;
-  const cuda::FlagSegment& flags_;
+  cuda::FlagSegment& flags_;
   uint64_t pieceBytes_;
+  std::function<bool()> mayPark_;
   Done onDone_;
   HostStaging staging_;
   // By op id. Only progress() changes a movement after a post, applying what the callbacks
