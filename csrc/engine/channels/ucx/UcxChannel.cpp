@@ -376,10 +376,33 @@ bool UcxChannel::advance(Movement& movement) {
     return transmitCopiedPieces(movement) || counted;
   }
   const bool copying = copyInLandedPieces(movement);
-  const bool parking = movement.op->parkRequested && !movement.op->parked &&
-                       movement.copiesInQueued < movement.pieces.size() && mayPark_();
+  const bool parking = mayParkNow(movement);
   if (parking) park(movement);
   return countCopiedInPieces(movement) || copying || parking;
+}
+
+bool UcxChannel::mayParkNow(const Movement& movement) {
+  const Op& op = *movement.op;
+  if (!op.parkRequested || op.parked || movement.copiesInQueued == movement.pieces.size()) {
+    return false;
+  }
+  const auto& pieces = movement.pieces;
+  const auto words = static_cast<size_t>(std::count(pieces.begin(), pieces.end(),
+                                                    PieceState::kInUcx));
+  // A parked piece holds a flag word until its copy in has run; parks get half the segment.
+  if (flags_.inUse() + words > cuda::FlagSegment::kWords / 2) {
+    logOnce("park-words", concat("a CUDA recv's wait() held the CPU until its bytes landed: ",
+                                 "parking its ", words, " pieces would take too many flag words "
+                                 "(SMFREE_HOST_STAGING_PIECE_BYTES sets the piece size)"));
+    return false;
+  }
+  if (!mayPark_()) {
+    logOnce("park-unsafe", "a CUDA recv's wait() held the CPU until its bytes landed: another "
+                           "op in flight had GPU work still to submit (a copy on the copy "
+                           "engines, or a CUDA buffer UCX moves itself)");
+    return false;
+  }
+  return true;
 }
 
 bool UcxChannel::countCopiedOut(Movement& movement) {

@@ -90,6 +90,8 @@ class UcxChannel final : public Channel {
   bool copyInLandedPieces(Movement& movement);
   bool countCopiedInPieces(Movement& movement);
   bool countCopiedOut(Movement& movement);
+  // Whether a staged recv whose wait() asked for it may be parked now (logged once where not).
+  bool mayParkNow(const Movement& movement);
   // Queues the copies in of a staged recv's pieces still in UCX, each behind its flag word.
   void park(Movement& movement);
   // A failed movement: lets the streams past the flag words of its parked pieces.
