@@ -16,23 +16,15 @@ const char* opName(engine::OpKind kind, int peer) {
   return peer == engine::kAnySource ? "recv from any source" : "recv";
 }
 
-// As the engine names an op: "recv on rank 0 from rank 2 (group 'pp', tag 0, 64 B)".
-std::string describeCall(engine::OpKind kind, int rank, int peer, int tag, const at::Tensor& tensor,
-                         const std::string& group) {
-  const bool isSend = kind == engine::OpKind::kSend;
-  const std::string partner = peer == engine::kAnySource
-                                  ? std::string("from any rank")
-                                  : c10::str(isSend ? "to rank " : "from rank ", peer);
-  return c10::str(isSend ? "send" : "recv", " on rank ", rank, " ", partner, " (group '", group,
-                  "', tag ", tag, ", ", tensor.nbytes(), " B)");
-}
-
 }  // namespace
 
 SmFreeBackend::SmFreeBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                              std::chrono::milliseconds timeout, const std::string& groupName,
                              InnerFactory innerFactory)
-    : c10d::Backend(rank, size), timeout_(timeout), innerFactory_(std::move(innerFactory)) {
+    : c10d::Backend(rank, size),
+      timeout_(timeout),
+      groupName_(std::make_shared<const std::string>(groupName)),
+      innerFactory_(std::move(innerFactory)) {
   try {
     group_ = engine::Engine::acquire()->joinGroup(engine::GroupConfig{groupName, rank, size},
                                                   std::make_shared<StoreAdapter>(store), timeout);
@@ -118,9 +110,9 @@ SmFreeBackend::PreparedOp SmFreeBackend::prepare(engine::OpKind kind,
   if (peer != engine::kAnySource) {
     checkPeer(peer, getRank(), getSize(), op);
   }
-  const auto call = [&] {
-    return describeCall(kind, getRank(), peer, tag, tensor, group_->config().name);
-  };
+  const WorkLabel label{kind, getRank(), peer, tag, static_cast<int64_t>(tensor.nbytes()),
+                        groupName_};
+  const auto call = [&] { return label.describe(); };
   // Arguments are checked first, so a bad call gets the same error whatever its peer's state.
   try {
     if (peer == engine::kAnySource) {
@@ -147,9 +139,7 @@ SmFreeBackend::PreparedOp SmFreeBackend::prepare(engine::OpKind kind,
   auto work = c10::make_intrusive<SmFreeWork>(
       isSend ? c10d::OpType::SEND : (peer == engine::kAnySource ? c10d::OpType::RECVANYSOURCE
                                                                  : c10d::OpType::RECV),
-      WorkLabel{op, peer == engine::kAnySource ? WorkLabel::kNoPeer : peer, tag,
-                static_cast<int64_t>(tensor.nbytes())},
-      std::vector<at::Tensor>{tensor});
+      label, std::vector<at::Tensor>{tensor});
   work->expectOp(cpuWaited);
 
   engine::OpRequest request;
@@ -215,7 +205,7 @@ void SmFreeBackend::startCoalescing() {
   TORCH_CHECK(!batch_, "smfree: startCoalescing called twice without endCoalescing");
   batch_.emplace();
   batch_->work = c10::make_intrusive<SmFreeWork>(
-      c10d::OpType::COALESCED, WorkLabel{"coalesced batch"}, std::vector<at::Tensor>{});
+      c10d::OpType::COALESCED, WorkLabel{}, std::vector<at::Tensor>{});
 }
 
 c10::intrusive_ptr<c10d::Work> SmFreeBackend::endCoalescing() {

@@ -11,10 +11,14 @@ namespace smfree {
 
 std::string WorkLabel::describe() const {
   if (bytes < 0) {
-    return op;
+    return "coalesced batch";
   }
-  return c10::str(op, peer == kNoPeer ? "" : c10::str(" rank ", peer), " (tag ", tag, ", ", bytes,
-                  " B)");
+  const bool isSend = kind == engine::OpKind::kSend;
+  const std::string partner = peer == engine::kAnySource
+                                  ? std::string("from any rank")
+                                  : c10::str(isSend ? "to rank " : "from rank ", peer);
+  return c10::str(isSend ? "send" : "recv", " on rank ", rank, " ", partner, " (group '", *group,
+                  "', tag ", tag, ", ", bytes, " B)");
 }
 
 SmFreeWork::SmFreeWork(c10d::OpType type, WorkLabel label, std::vector<at::Tensor> tensors)

@@ -4,6 +4,7 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <condition_variable>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -15,14 +16,17 @@ namespace smfree {
 
 // What a Work is for, kept as parts: formatted only when an error message needs it, so the
 // post path builds no string.
+// What errors call an op, formatted only when one needs it, in the engine's words.
 struct WorkLabel {
-  const char* op;           // "send", "recv", "coalesced batch", ...
-  int peer = kNoPeer;       // a group rank, or kNoPeer
+  engine::OpKind kind = engine::OpKind::kSend;
+  int rank = 0;
+  int peer = engine::kAnySource;
   int tag = 0;
-  int64_t bytes = -1;       // -1 for a batch
+  int64_t bytes = -1;  // -1: a coalesced batch
+  std::shared_ptr<const std::string> group;
 
-  static constexpr int kNoPeer = -2;
-  std::string describe() const;  // e.g. "send rank 1 (tag 0, 64 B)"
+  // "recv on rank 0 from rank 2 (group 'pp', tag 0, 64 B)", or "coalesced batch".
+  std::string describe() const;
 };
 
 // The Work of one op, or of a coalesced batch. Ops report into it from the engine's
