@@ -164,6 +164,19 @@ def _now() -> float:
     return time.monotonic()
 
 
+def swap(peer: int, mine):
+    """In a rank: sends `mine` to `peer` and receives a tensor like it from `peer`, in one
+    batch; returns what was received."""
+    import torch
+    import torch.distributed as dist
+
+    got = torch.empty_like(mine)
+    ops = [dist.P2POp(dist.isend, mine, peer), dist.P2POp(dist.irecv, got, peer)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return got
+
+
 def received_fills(peer: int, count: int, numel: int, device=None) -> list:
     """In a rank: receives `count` tensors from `peer`; the value each was filled with, or None
     where its elements differ."""

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import smfree_pg
-from harness import run_ranks
+from harness import run_ranks, swap
 
 
 def _backend():
@@ -143,12 +143,7 @@ def test_late_partner_of_a_timed_out_send_gets_an_error_and_order_holds():
 
 
 def _swap_with_the_other_survivor(rank):
-    got = torch.empty(2)
-    ops = [dist.P2POp(dist.isend, torch.full((2,), float(rank)), 1 - rank),
-           dist.P2POp(dist.irecv, got, 1 - rank)]
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
-    return got
+    return swap(1 - rank, torch.full((2,), float(rank)))
 
 
 def _peer_dies(rank, world):
@@ -206,11 +201,7 @@ def _peer_gone_before_first_contact(rank, world):
 def _outlive_a_peer(rank, world):
     store = dist.distributed_c10d._get_default_store()
     peer = 1 - rank
-    mine, got = torch.full((1 << 20,), float(rank)), torch.empty(1 << 20)
-    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, peer),
-                                    dist.P2POp(dist.irecv, got, peer)])
-    for work in works:
-        work.wait()
+    got = swap(peer, torch.full((1 << 20,), float(rank)))
     if rank == 1:
         store.set("pid1", str(os.getpid()))
         os._exit(0)

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import smfree_pg
-from harness import run_ranks
+from harness import run_ranks, swap
 
 
 def test_import_registers_backend_for_cpu_and_cuda():
@@ -34,12 +34,7 @@ def test_entry_point_registers_without_import():
 
 
 def _exchange(rank):
-    got = torch.empty(2)
-    ops = [dist.P2POp(dist.isend, torch.full((2,), float(rank)), 1 - rank),
-           dist.P2POp(dist.irecv, got, 1 - rank)]
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
-    return got[0].item()
+    return swap(1 - rank, torch.full((2,), float(rank)))[0].item()
 
 
 def _device_map(rank, world):

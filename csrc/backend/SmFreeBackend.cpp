@@ -110,8 +110,7 @@ SmFreeBackend::PreparedOp SmFreeBackend::prepare(engine::OpKind kind,
   if (peer != engine::kAnySource) {
     checkPeer(peer, getRank(), getSize(), op);
   }
-  const WorkLabel label{kind, getRank(), peer, tag, static_cast<int64_t>(tensor.nbytes()),
-                        groupName_};
+  WorkLabel label{kind, getRank(), peer, tag, static_cast<int64_t>(tensor.nbytes()), groupName_};
   const auto call = [&] { return label.describe(); };
   // Arguments are checked first, so a bad call gets the same error whatever its peer's state.
   try {
@@ -139,7 +138,7 @@ SmFreeBackend::PreparedOp SmFreeBackend::prepare(engine::OpKind kind,
   auto work = c10::make_intrusive<SmFreeWork>(
       isSend ? c10d::OpType::SEND : (peer == engine::kAnySource ? c10d::OpType::RECVANYSOURCE
                                                                  : c10d::OpType::RECV),
-      label, std::vector<at::Tensor>{tensor});
+      std::move(label), std::vector<at::Tensor>{tensor});
   work->expectOp(cpuWaited);
 
   engine::OpRequest request;

@@ -23,7 +23,7 @@ std::string WorkLabel::describe() const {
 
 SmFreeWork::SmFreeWork(c10d::OpType type, WorkLabel label, std::vector<at::Tensor> tensors)
     : c10d::Work(-1, type),
-      label_(label),
+      label_(std::move(label)),
       tensors_(std::move(tensors)),
       future_(c10::make_intrusive<c10::ivalue::Future>(
           c10::ListType::create(c10::TensorType::get()))) {}

@@ -16,7 +16,6 @@ namespace smfree {
 
 // What a Work is for, kept as parts: formatted only when an error message needs it, so the
 // post path builds no string.
-// What errors call an op, formatted only when one needs it, in the engine's words.
 struct WorkLabel {
   engine::OpKind kind = engine::OpKind::kSend;
   int rank = 0;
