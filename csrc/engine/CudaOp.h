@@ -15,7 +15,11 @@ namespace smfree::engine {
 // submitted to the GPU yet. Streams of one process share hardware queues
 // (CUDA_DEVICE_MAX_CONNECTIONS), so a wait parked ahead of a later-submitted copy in the
 // same queue holds that copy back for good. Hence `queued`: the user's stream waits for the
-// copy only once `queued` says the copy has been submitted.
+// copy only once `queued` says the copy has been submitted. Nor may a stream wait for a word
+// that this process's progress thread writes when bytes arrive: once the caller's CPU has run
+// ahead and filled the command queue behind that wait, its next launch blocks inside the
+// driver, holding a lock that the progress thread's next CUDA call then waits for (a
+// four-stage megatron-core run over TCP hung so).
 //
 // What a signal costs decides its form. On the DMA stream every memory write after a copy
 // costs about 3 µs (measured on H200: 4 writes made a 16 MiB copy 27 % slower), an event
@@ -68,8 +72,6 @@ struct CudaFence {
   cuda::Flag queued;
   cuda::Flag done;
   std::shared_ptr<cuda::Event> copied;
-  // A CUDA recv over UCX: its op id, so that wait() can ask for it to be parked (Op).
-  uint64_t parkableRecv = 0;
 };
 
 }  // namespace smfree::engine

@@ -105,7 +105,7 @@ Engine::Engine(Private)
   control_ = std::make_unique<UcxControl>(
       *worker_, [this](const void* data, size_t length) { onControlMessage(data, length); });
   ucxChannel_ = std::make_unique<UcxChannel>(
-      *worker_, *receiveLane_, *flags_, config_.hostStagingPieceBytes, [this] { return mayPark(); },
+      *worker_, *receiveLane_, *flags_, config_.hostStagingPieceBytes,
       [this](const std::shared_ptr<Op>& op, const Status& status) { onTransferDone(op, status); });
   copyEngine_ = std::make_unique<CopyEngineChannel>(
       *flags_, config_.ipcCacheSize, config_.stagingBytes,
@@ -185,22 +185,12 @@ void Engine::submit(std::function<void()> command) {
 }
 
 std::optional<std::string> Engine::failureOf(const std::string& processKey) {
-  return recordedFailure(failures_, processKey);
-}
-
-std::optional<std::string> Engine::failureAfterWait(uint64_t groupId) {
-  return recordedFailure(failedAfterWait_, groupId);
-}
-
-template <typename Key>
-std::optional<std::string> Engine::recordedFailure(
-    const std::unordered_map<Key, std::string>& failures, const Key& key) {
   if (!anyFailure_.load(std::memory_order_acquire)) {
     return std::nullopt;
   }
   std::lock_guard<std::mutex> lock(failuresMutex_);
-  auto it = failures.find(key);
-  if (it == failures.end()) {
+  auto it = failures_.find(processKey);
+  if (it == failures_.end()) {
     return std::nullopt;
   }
   return it->second;
@@ -361,10 +351,6 @@ void Engine::registerGroup(std::shared_ptr<const GroupConfig> config) {
   if (existing != groups_.end() && !existing->second.closed) {
     fail("group '", config->name, "' is already open in this process (or its name hashes like "
          "group '", existing->second.config->name, "')");
-  }
-  {
-    std::lock_guard<std::mutex> lock(failuresMutex_);
-    failedAfterWait_.erase(id);  // of a closed group of the same name
   }
   GroupState& state = groups_[id];
   state = GroupState{};
@@ -538,28 +524,6 @@ void Engine::startOp(const std::shared_ptr<Op>& op) {
   if (auto match = group->matcher.postRecv(op)) {
     onMatched(*group, *match);
   }
-}
-
-void Engine::requestPark(uint64_t opId) {
-  std::shared_ptr<Op> op = findLive(opId);
-  if (op && !op->finished()) op->parkRequested = true;  // the channel parks it when it may
-}
-
-bool Engine::mayPark() {
-  // A parked copy holds back the GPU work submitted after it in its hardware queue (CudaOp.h),
-  // so none may be left that this process has still to submit for an op in flight: a peer may
-  // need it before it sends. Copies on the copy engines are submitted at the match, UCX's own
-  // copies of the CUDA buffers it moves unstaged whenever it moves them; staged copies out at
-  // the post, and copies in are needed by no peer.
-  for (const auto& [id, op] : live_) {
-    if (op->finished() || op->request.buffer.bytes == 0) continue;
-    if (op->cuda && !flags_->isSet(op->cuda->queued)) return false;
-    if (op->ucxCuda) {
-      Peer* peer = partnerOf(*op);
-      if (!peer || !ucxChannel_->staged(*op, *peer)) return false;
-    }
-  }
-  return true;
 }
 
 void Engine::onControlMessage(const void* data, size_t length) {
@@ -801,15 +765,6 @@ void Engine::complete(const std::shared_ptr<Op>& op, const Status& status) {
     return;
   }
   op->phase = Op::Phase::kDone;
-  if (op->parked && !status.ok()) {
-    // Its wait() has returned and its stream has copied whatever host memory held: the
-    // caller hears of it at its next call on the group.
-    std::lock_guard<std::mutex> lock(failuresMutex_);
-    failedAfterWait_.try_emplace(op->groupId, concat(op->describe(), " failed after its "
-                                                     "wait() returned, so its tensor holds "
-                                                     "wrong bytes: ", status.message));
-    anyFailure_.store(true, std::memory_order_release);
-  }
   OpCallback callback = std::move(op->request.onComplete);
   op->request.onComplete = nullptr;
   if (callback) {
@@ -952,7 +907,7 @@ CudaFence Engine::prepareUcxCuda(Op& op, std::chrono::milliseconds timeout) {
     throw;
   }
   op.streamReady = ready;
-  return CudaFence{op.ucxCuda->queued, {}, op.ucxCuda->copied, op.isSend() ? 0 : op.id};
+  return CudaFence{op.ucxCuda->queued, {}, op.ucxCuda->copied};
 }
 
 void Engine::awaitQueued(const cuda::Flag& queued, Clock::time_point deadline) {

@@ -75,12 +75,6 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // (staged UCX ops, UcxCudaState) to finish their copies: of one group, or of all.
   void awaitReleasedOps(std::optional<uint64_t> groupId, Clock::time_point deadline);
   std::optional<std::string> failureOf(const std::string& processKey);
-  // Why a recv of the group failed after its wait() had returned (parked), if one did.
-  std::optional<std::string> failureAfterWait(uint64_t groupId);
-  // An entry of `failures` (failures_ or failedAfterWait_), under failuresMutex_.
-  template <typename Key>
-  std::optional<std::string> recordedFailure(
-      const std::unordered_map<Key, std::string>& failures, const Key& key);
   uint64_t nextOpId() { return nextOpId_.fetch_add(1); }
   // On the caller's thread: a CUDA op's flags and events, and what its stream signals at
   // posting (a recv's `ready` write, a send's `produced` record).
@@ -116,9 +110,6 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::map<std::string, int64_t> stats();
 
   void startOp(const std::shared_ptr<Op>& op);
-  // wait() was called on a staged CUDA recv over UCX (Op::parkRequested).
-  void requestPark(uint64_t opId);
-  bool mayPark();
   void onControlMessage(const void* data, size_t length);
   void onReadyToSend(const ReadyToSend& message);
   void onClearToSend(const ClearToSend& message);
@@ -171,7 +162,6 @@ class Engine : public std::enable_shared_from_this<Engine> {
 
   std::mutex failuresMutex_;
   std::unordered_map<std::string, std::string> failures_;  // processKey -> why
-  std::unordered_map<uint64_t, std::string> failedAfterWait_;  // group id -> why
   std::atomic<bool> anyFailure_{false};  // lets the post path skip the lookup
 
   // Progress thread only.

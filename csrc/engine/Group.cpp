@@ -108,11 +108,6 @@ bool Group::onCopyEngine(int peer) const {
 }
 
 void Group::awaitQueued(const CudaFence& fence) {
-  if (fence.parkableRecv != 0 && !engine_->flags_->isSet(fence.queued)) {
-    Engine* engine = engine_.get();
-    const uint64_t id = fence.parkableRecv;
-    engine_->submit([engine, id] { engine->requestPark(id); });
-  }
   // The op's own timeout sets `queued` first; the margin only guards against a stuck engine.
   engine_->awaitQueued(fence.queued, Clock::now() + timeout() + kQueuedMargin);
 }
@@ -145,8 +140,6 @@ std::optional<std::string> Group::peerFailure(int rank) {
   }
   return key.empty() ? std::nullopt : engine_->failureOf(key);
 }
-
-std::optional<std::string> Group::failureAfterWait() { return engine_->failureAfterWait(id_); }
 
 std::string Group::dumpPending() {
   const uint64_t id = id_;

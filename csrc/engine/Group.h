@@ -34,8 +34,7 @@ class Group {
   // returns what streams wait on (waitOnStream) to see the op's buffer done with.
   std::optional<CudaFence> post(OpRequest request);
   // Returns once the partner has posted and the copy is submitted, or the op failed; throws
-  // if neither happens within the group timeout. A staged CUDA recv over UCX is parked where
-  // the engine may (Op::parkRequested): its copies are then submitted before its bytes land.
+  // if neither happens within the group timeout.
   void awaitQueued(const CudaFence& fence);
   // Makes `stream` wait for the copy on the GPU; call only after awaitQueued.
   void waitOnStream(void* stream, int device, const CudaFence& fence);
@@ -44,9 +43,6 @@ class Group {
   void close(StatusCode code, const std::string& reason, bool abort);
   // Why `rank`'s process is known dead, if it is.
   std::optional<std::string> peerFailure(int rank);
-  // Why a recv of this group failed after its wait() had returned, if one did: the group's
-  // data can no longer be trusted.
-  std::optional<std::string> failureAfterWait();
   std::string dumpPending();
   // Engine-wide counters: live ops, open CUDA IPC mappings, flag words in use.
   std::map<std::string, int64_t> stats();

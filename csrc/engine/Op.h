@@ -72,12 +72,6 @@ struct Op {
   // done; UCX touches the buffer only after that.
   std::optional<cuda::Flag> streamReady;
   std::optional<UcxCudaState> ucxCuda;  // a CUDA op over UCX
-  // A staged recv over UCX (UcxCudaState) whose wait() has been called: its copies in may be
-  // queued before its bytes land, each behind a stream wait for its piece's flag word, so the
-  // caller's CPU need not wait for the bytes. `parked` once they are: a failure after that
-  // reaches the caller at its next call on the group.
-  bool parkRequested = false;
-  bool parked = false;
 
   bool isSend() const { return request.kind == OpKind::kSend; }
   bool finished() const { return phase == Phase::kDone; }

@@ -5,7 +5,6 @@
 
 #include "engine/Log.h"
 #include "engine/cuda/CudaDriver.h"
-#include "engine/cuda/StreamMemoryOps.h"
 
 namespace smfree::engine {
 namespace {
@@ -103,18 +102,6 @@ std::shared_ptr<cuda::Event> HostStaging::copyToDevice(const cuda::PinnedMemory&
   return copy(toDevice_, to.device, kToDevice,
               static_cast<char*>(to.data) + offset, static_cast<char*>(from.data()) + offset,
               bytes);
-}
-
-std::shared_ptr<cuda::Event> HostStaging::copyToDeviceOnceSet(void* word, uint32_t value,
-                                                              const cuda::PinnedMemory& from,
-                                                              const Buffer& to, uint64_t offset,
-                                                              uint64_t bytes) {
-  {
-    cuda::ContextGuard context(to.device);
-    cuda::waitAtLeast(streamOf(toDevice_, to.device, kToDevice).handle(), word, value,
-                      "cuStreamWaitValue32 (landed)");
-  }
-  return copyToDevice(from, to, offset, bytes);
 }
 
 void HostStaging::copyToHostAfter(int device, const cuda::Event& event) {

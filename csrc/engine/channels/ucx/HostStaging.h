@@ -32,12 +32,6 @@ class HostStaging {
                                           uint64_t offset, uint64_t bytes);
   std::shared_ptr<cuda::Event> copyToDevice(const cuda::PinnedMemory& from, const Buffer& to,
                                             uint64_t offset, uint64_t bytes);
-  // As copyToDevice, but the copy first waits on the GPU for the flag word at `word` to reach
-  // `value`: the CPU sets it once the bytes have landed in host memory.
-  std::shared_ptr<cuda::Event> copyToDeviceOnceSet(void* word, uint32_t value,
-                                                   const cuda::PinnedMemory& from,
-                                                   const Buffer& to, uint64_t offset,
-                                                   uint64_t bytes);
   // Copies queued from now on for `device`, in that direction, wait for `event`'s last record.
   void copyToHostAfter(int device, const cuda::Event& event);
   void copyToDeviceAfter(int device, const cuda::Event& event);

@@ -23,7 +23,6 @@ enum class PieceState : uint8_t {
   kWaiting,  // not yet touched
   kCopying,  // staged recv: its copy in is queued
   kInUcx,    // a UCX request moves it
-  kParked,   // staged recv: a UCX request moves it; its copy in waits for its flag word
   kLanded,   // staged recv: in host memory, not yet copied in
   kDone,
 };
@@ -77,7 +76,6 @@ struct UcxChannel::Movement {
   std::shared_ptr<cuda::PinnedMemory> host;  // staged: what UCX moves instead of the buffer
   std::vector<PieceState> pieces;
   std::vector<std::shared_ptr<cuda::Event>> copies;  // staged recv: each piece's copy in
-  std::vector<std::optional<cuda::Flag>> parks;      // staged recv: each parked piece's word
   std::deque<CopyOut> copiesOut;  // staged send: copies out not yet seen done, in order
   uint64_t copiedOut = 0;         // staged send: bytes in host memory
   std::vector<void*> requests;    // UCX requests not yet completed
@@ -98,7 +96,6 @@ struct UcxChannel::Movement {
     const uint64_t count = pieceCount(op->request.buffer.bytes, bytes);
     pieces.assign(count, PieceState::kWaiting);
     copies.resize(count);
-    parks.resize(count);
   }
   bool copyPending() const {
     for (const CopyOut& copy : copiesOut) {
@@ -118,13 +115,11 @@ struct UcxChannel::Transfer {
 };
 
 UcxChannel::UcxChannel(UcxWorker& sendWorker, UcxReceiveLane& receiveLane,
-                       cuda::FlagSegment& flags, uint64_t pieceBytes,
-                       std::function<bool()> mayPark, Done onDone)
+                       const cuda::FlagSegment& flags, uint64_t pieceBytes, Done onDone)
     : sendWorker_(sendWorker),
       receiveLane_(receiveLane),
       flags_(flags),
       pieceBytes_(pieceBytes),
-      mayPark_(std::move(mayPark)),
       onDone_(std::move(onDone)) {}
 
 UcxChannel::~UcxChannel() {
@@ -167,11 +162,6 @@ bool UcxChannel::onlyTcpToward(const Peer& peer) const {
         "pinned host memory, copied by copy engines");
   }
   return tcpOnly;
-}
-
-bool UcxChannel::staged(const Op& op, Peer& peer) {
-  auto it = movements_.find(op.id);
-  return it != movements_.end() ? it->second->staged : stagesThroughHost(op, peer);
 }
 
 UcxChannel::Movement& UcxChannel::track(const std::shared_ptr<Op>& op, Peer* destination) {
@@ -346,10 +336,6 @@ bool UcxChannel::progress() {
     auto it = movements_.find(id);
     std::unique_ptr<Movement> movement = std::move(it->second);
     movements_.erase(it);
-    // Every copy in has run, so no stream waits on these words any more.
-    for (const auto& park : movement->parks) {
-      if (park) flags_.release(*park);
-    }
     --movement->op->outstanding;
     onDone_(movement->op, movement->failure ? *movement->failure : Status::success());
     changed = true;
@@ -364,7 +350,6 @@ bool UcxChannel::advance(Movement& movement) {
   if (movement.failure) {
     if (movement.cancelled) return false;
     movement.cancelled = true;
-    releaseParkedCopies(movement);
     for (void* request : movement.requests) ucp_request_cancel(workerOf(movement), request);
     return true;
   }
@@ -376,33 +361,7 @@ bool UcxChannel::advance(Movement& movement) {
     return transmitCopiedPieces(movement) || counted;
   }
   const bool copying = copyInLandedPieces(movement);
-  const bool parking = mayParkNow(movement);
-  if (parking) park(movement);
-  return countCopiedInPieces(movement) || copying || parking;
-}
-
-bool UcxChannel::mayParkNow(const Movement& movement) {
-  const Op& op = *movement.op;
-  if (!op.parkRequested || op.parked || movement.copiesInQueued == movement.pieces.size()) {
-    return false;
-  }
-  const auto& pieces = movement.pieces;
-  const auto words = static_cast<size_t>(std::count(pieces.begin(), pieces.end(),
-                                                    PieceState::kInUcx));
-  // A parked piece holds a flag word until its copy in has run; parks get half the segment.
-  if (flags_.inUse() + words > cuda::FlagSegment::kWords / 2) {
-    logOnce("park-words", concat("a CUDA recv's wait() held the CPU until its bytes landed: ",
-                                 "parking its ", words, " pieces would take too many flag words "
-                                 "(SMFREE_HOST_STAGING_PIECE_BYTES sets the piece size)"));
-    return false;
-  }
-  if (!mayPark_()) {
-    logOnce("park-unsafe", "a CUDA recv's wait() held the CPU until its bytes landed: another "
-                           "op in flight had GPU work still to submit (a copy on the copy "
-                           "engines, or a CUDA buffer UCX moves itself)");
-    return false;
-  }
-  return true;
+  return countCopiedInPieces(movement) || copying;
 }
 
 bool UcxChannel::countCopiedOut(Movement& movement) {
@@ -455,40 +414,6 @@ bool UcxChannel::copyInLandedPieces(Movement& movement) {
     movement.failure = copyFailure(op, error);
   }
   return true;
-}
-
-void UcxChannel::park(Movement& movement) {
-  Op& op = *movement.op;
-  const Buffer& buffer = op.request.buffer;
-  try {
-    if (movement.copiesInQueued == 0) {
-      staging_.copyToDeviceAfter(buffer.device, *op.ucxCuda->reached);
-    }
-    for (uint32_t piece = 0; piece < movement.pieces.size(); ++piece) {
-      if (movement.pieces[piece] != PieceState::kInUcx) continue;
-      const cuda::Flag& word = movement.parks[piece].emplace(flags_.acquire());
-      movement.pieces[piece] = PieceState::kParked;
-      movement.copies[piece] = staging_.copyToDeviceOnceSet(
-          flags_.cudaAddress(word.index), word.value, *movement.host, buffer,
-          movement.offsetOf(piece), movement.bytesOf(piece));
-      ++movement.copiesInQueued;
-    }
-    // From here the caller's stream, not its CPU, waits for the bytes.
-    staging_.recordAfterCopiesToDevice(buffer.device, *op.ucxCuda->copied);
-    flags_.set(op.ucxCuda->queued);
-    op.parked = true;
-  } catch (const Error& error) {
-    movement.failure = copyFailure(op, error);
-  }
-}
-
-void UcxChannel::releaseParkedCopies(Movement& movement) {
-  for (uint32_t piece = 0; piece < movement.pieces.size(); ++piece) {
-    if (movement.pieces[piece] != PieceState::kParked) continue;
-    // The copy in then runs on whatever the host memory holds; the op has failed.
-    flags_.set(*movement.parks[piece]);
-    movement.pieces[piece] = movement.copies[piece] ? PieceState::kCopying : PieceState::kWaiting;
-  }
 }
 
 bool UcxChannel::countCopiedInPieces(Movement& movement) {
@@ -578,13 +503,7 @@ void UcxChannel::finish(const Completion& completion) {
     return;
   }
   if (movement.staged && !movement.isSend()) {
-    if (movement.failure) return;  // its parked pieces were let go, copies and all
-    if (movement.pieces[piece] == PieceState::kParked) {
-      flags_.set(*movement.parks[piece]);  // the stream's copy in may go
-      movement.pieces[piece] = PieceState::kCopying;
-    } else {
-      movement.pieces[piece] = PieceState::kLanded;
-    }
+    movement.pieces[piece] = PieceState::kLanded;
     return;
   }
   movement.pieces[piece] = PieceState::kDone;

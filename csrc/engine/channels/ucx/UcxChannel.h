@@ -1,6 +1,5 @@
 #pragma once
 
-#include <functional>
 #include <memory>
 #include <mutex>
 #include <unordered_map>
@@ -34,18 +33,16 @@ namespace smfree::engine {
 // receiver chooses those pieces and tells the sender with its clear-to-send; a sender that
 // does not stage sends the same pieces straight from its buffer. Each piece of a recv is
 // queued to be copied in as soon as it has landed (the copy waits on the GPU for the stream to
-// reach the recv), or, once its wait() asks for it to be parked and `mayPark` allows, right
-// away, behind a stream wait for a flag word that the progress thread sets when it lands.
+// reach the recv). The caller's CPU waits for the last to land: a stream that waited for
+// bytes still on the network would wait for this process's progress thread (CudaOp.h).
 class UcxChannel final : public Channel {
  public:
   // `pieceBytes`: size of the pieces of a staged recv (SMFREE_HOST_STAGING_PIECE_BYTES); 0 for
   // one piece.
   // `sendWorker` is the engine's (its thread calls every method here); `receiveLane` the one
   // that recvs are posted on.
-  // `mayPark`: whether no GPU work this process has still to submit can be needed for a
-  // parked recv's bytes to come (Engine::mayPark).
-  UcxChannel(UcxWorker& sendWorker, UcxReceiveLane& receiveLane, cuda::FlagSegment& flags,
-             uint64_t pieceBytes, std::function<bool()> mayPark, Done onDone);
+  UcxChannel(UcxWorker& sendWorker, UcxReceiveLane& receiveLane, const cuda::FlagSegment& flags,
+             uint64_t pieceBytes, Done onDone);
   ~UcxChannel() override;
 
   void prepareSend(const std::shared_ptr<Op>& send, Peer& destination) override;
@@ -55,9 +52,6 @@ class UcxChannel final : public Channel {
   void cancel(Op& op) override;
   bool progress() override;
   bool busy() const override;
-  // Whether a CUDA op toward or from `peer` moves through host memory, where its copies are
-  // queued before its bytes move.
-  bool staged(const Op& op, Peer& peer);
   // The device of the latest CUDA buffer handed to UCX; -1 before the first.
   int cudaDevice() const { return cudaDevice_; }
   uint64_t hostStagedSends() const { return hostStagedSends_; }
@@ -90,12 +84,6 @@ class UcxChannel final : public Channel {
   bool copyInLandedPieces(Movement& movement);
   bool countCopiedInPieces(Movement& movement);
   bool countCopiedOut(Movement& movement);
-  // Whether a staged recv whose wait() asked for it may be parked now (logged once where not).
-  bool mayParkNow(const Movement& movement);
-  // Queues the copies in of a staged recv's pieces still in UCX, each behind its flag word.
-  void park(Movement& movement);
-  // A failed movement: lets the streams past the flag words of its parked pieces.
-  void releaseParkedCopies(Movement& movement);
   void postPiece(Movement& movement, uint32_t piece);
   void copyOut(Movement& movement);
   bool ended(const Movement& movement) const;
@@ -106,9 +94,8 @@ class UcxChannel final : public Channel {
 
   UcxWorker& sendWorker_;
   UcxReceiveLane& receiveLane_;
-  cuda::FlagSegment& flags_;
+  const cuda::FlagSegment& flags_;
   uint64_t pieceBytes_;
-  std::function<bool()> mayPark_;
   Done onDone_;
   HostStaging staging_;
   // By op id. Only progress() changes a movement after a post, applying what the callbacks
