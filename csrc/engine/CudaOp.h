@@ -44,9 +44,9 @@ struct CudaOpState {
 // The stream-side state of a CUDA op over UCX. UCX is not stream-aware, so the caller's CPU
 // waits for such an op to end; but an op staged through host memory touches the buffer only
 // with copy engines, so there the caller's stream waits for those copies (`copied`) and the
-// CPU only for them to be queued (`queued`): a send's copy out once its receiver has cleared
-// it, a recv's copies in once its last piece has landed. An unstaged op sets `queued` when it
-// ends, and never records `copied`.
+// CPU only for them to be queued (`queued`): a send's once its receiver has cleared it (its
+// copy out is queued at the post), a recv's once its last piece has landed and its copies in
+// are queued. An unstaged op sets `queued` when it ends, and never records `copied`.
 struct UcxCudaState {
   cuda::Flag queued;
   // Recorded on the caller's stream at the post: a staged op's copies wait for it (the source
