@@ -353,7 +353,8 @@ bool UcxChannel::advance(Movement& movement) {
     for (void* request : movement.requests) ucp_request_cancel(workerOf(movement), request);
     return true;
   }
-  if (movement.isSend() && !movement.cleared) return movement.staged && countCopiedOut(movement);
+  // A send tracked before its clear-to-send is a staged one, copied out at its post.
+  if (movement.isSend() && !movement.cleared) return countCopiedOut(movement);
   if (!movement.started) return startOnceStreamReached(movement);
   if (!movement.staged) return false;
   if (movement.isSend()) {
