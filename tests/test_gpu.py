@@ -176,6 +176,64 @@ def test_recv_wait_leaves_the_stream_to_wait_for_the_copy():
     assert early == (not OVER_UCX or UCX_TCP_ONLY)
 
 
+def _recv_whose_bytes_come_late(rank, world, numel):
+    # The sender posts at once, but its stream reaches the send only about a second later.
+    dev = torch.device("cuda", rank)
+    exchange(torch.ones(4, device=dev), torch.empty(4, device=dev), 1 - rank)  # connect first
+    torch.cuda.synchronize()
+    if rank == 0:
+        payload = _numbered(9, numel, dev)  # allocated first: a cudaMalloc may wait for the GPU
+        torch.cuda.synchronize()
+        torch.cuda._sleep(2_000_000_000)
+        dist.isend(payload, 1).wait()
+        torch.cuda.synchronize()
+        return None
+    buf = torch.full((numel,), -1, dtype=torch.int32, device=dev)
+    work = dist.irecv(buf, 0)
+    started = time.monotonic()
+    work.wait()
+    waited = time.monotonic() - started
+    landed = torch.cuda.Event()
+    landed.record()
+    returned_before_the_bytes_landed = not landed.query()
+    after = buf.clone()  # stream-ordered after the recv
+    torch.cuda.synchronize()
+    return waited, returned_before_the_bytes_landed, torch.equal(after, _numbered(9, numel, dev))
+
+
+@ucx_only
+def test_recv_wait_returns_before_the_bytes_land_where_the_stream_can_wait_for_them():
+    waited, early, received = run_ranks(
+        _recv_whose_bytes_come_late, 2, (16 << 20) // 4 + 3, cuda=True)[1]
+    assert received, "the stream read the buffer before the recv had written it"
+    # Over TCP-only UCX the stream waits for the copies in from host memory, queued behind
+    # waits for each piece to land. Where UCX writes CUDA memory itself, the CPU waits.
+    assert early == UCX_TCP_ONLY, (waited, early)
+    if early:
+        assert waited < 0.5, f"wait() held the CPU for {waited:.3f} s"
+
+
+def _recv_polled_until_done(rank, world, numel):
+    dev = torch.device("cuda", rank)
+    if rank == 0:
+        dist.send(_numbered(3, numel, dev), 1)
+        torch.cuda.synchronize()
+        return None
+    buf = torch.full((numel,), -1, dtype=torch.int32, device=dev)
+    work = dist.irecv(buf, 0)
+    deadline = time.monotonic() + 60
+    while not work.is_completed():
+        assert time.monotonic() < deadline, "is_completed() stayed False for 60 s"
+        time.sleep(0.001)
+    torch.cuda.synchronize()
+    return torch.equal(buf, _numbered(3, numel, dev))
+
+
+def test_recv_polled_with_is_completed_ends_without_wait():
+    # Staged through host memory, the recv's copies in are queued by the poll.
+    assert run_ranks(_recv_polled_until_done, 2, (16 << 20) // 4 + 3, cuda=True)[1]
+
+
 def _any_source_into_cuda(rank, world):
     dev = torch.device("cuda", rank)
     if rank == 1:
@@ -720,19 +778,29 @@ def _peer_dies_before_its_stream_is_ready(rank, world):
         os._exit(1)
     work = dist.irecv(torch.zeros(1 << 24, device=dev), 1)
     started = time.monotonic()
+    returned = False
     try:
         work.wait()
+        returned = True
+        torch.cuda.synchronize()  # a parked recv lets its stream go once it has failed
+        dist.irecv(torch.zeros(4, device=dev))  # from any source: the dead peer is not named
         error = None
     except dist.DistBackendError as failure:
         error = str(failure)
-    return time.monotonic() - started, error
+    return time.monotonic() - started, returned, error
 
 
 @ucx_only
 def test_peer_killed_mid_transfer_fails_the_pending_recv():
-    waited, error = run_ranks(_peer_dies_before_its_stream_is_ready, 2, cuda=True,
-                              group_timeout_s=120, expect_exit=(1,))[0]
+    waited, returned, error = run_ranks(_peer_dies_before_its_stream_is_ready, 2, cuda=True,
+                                        group_timeout_s=120, expect_exit=(1,))[0]
     assert error and "its peer process" in error, error
+    # Staged through host memory, the recv is parked: wait() returns before the bytes come,
+    # and the failure refuses the next call on the group.
+    assert returned == UCX_TCP_ONLY, error
+    if UCX_TCP_ONLY:
+        assert "failed after its wait() returned, so its tensor holds wrong bytes" in error, error
+        assert "smfree: recv on rank 0 from any rank" in error, error
     assert waited < 60
 
 

@@ -129,6 +129,10 @@ SmFreeBackend::PreparedOp SmFreeBackend::prepare(engine::OpKind kind,
     }
   }
 
+  if (auto failure = group_->failureAfterWait()) {
+    C10_THROW_ERROR(DistBackendError, c10::str("smfree: ", call(), " refused: ", *failure));
+  }
+
   const bool isSend = kind == engine::OpKind::kSend;
   // CUDA ops fence the caller's stream; the CPU waits for the rest (UCX is not stream-aware).
   const bool cpuWaited = !onCuda;

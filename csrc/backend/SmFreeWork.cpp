@@ -82,6 +82,22 @@ void SmFreeWork::completeIfDone(std::unique_lock<std::mutex>& lock) {
 }
 
 bool SmFreeWork::isCompleted() {
+  std::vector<StreamFence> fences;
+  {
+    std::lock_guard<std::mutex> lock(stateMutex_);
+    if (finished_ || !sealed_) return finished_;
+    fences = fences_;
+  }
+  // A caller-staged recv ends only once its copies in are queued, which a poll does too.
+  for (const StreamFence& fence : fences) {
+    if (!fence.fence.park) continue;
+    try {
+      fence.group->queueCopiesInOnceMatched(fence.fence);
+    } catch (const engine::Error& error) {
+      C10_THROW_ERROR(DistBackendError, c10::str("smfree: is_completed() on ", label_.describe(),
+                                                 ": ", error.what()));
+    }
+  }
   std::lock_guard<std::mutex> lock(stateMutex_);
   return finished_;
 }
@@ -124,6 +140,7 @@ bool SmFreeWork::wait(std::chrono::milliseconds timeout) {
   // the CPU: UCX is not stream-aware. A timeout makes the CPU wait for the end.
   try {
     if (timeout != kNoTimeout) {
+      parkStagedRecvs(fences);
       waitFinished(timeout);
     } else {
       waitCpuWaitedOps();
@@ -163,6 +180,13 @@ void SmFreeWork::waitFinished(std::chrono::milliseconds timeout) {
   }
 }
 
+void SmFreeWork::parkStagedRecvs(const std::vector<StreamFence>& fences) {
+  // Their copies in are queued by a wait(): without one they would never end.
+  for (const StreamFence& fence : fences) {
+    if (fence.fence.park) fence.group->awaitQueued(fence.fence);
+  }
+}
+
 void SmFreeWork::waitCpuWaitedOps() {
   std::unique_lock<std::mutex> lock(stateMutex_);
   // Ops carry the group timeout, so this wait ends.
@@ -170,9 +194,17 @@ void SmFreeWork::waitCpuWaitedOps() {
 }
 
 void SmFreeWork::synchronize() {
+  std::vector<StreamFence> fences;
   {
     std::lock_guard<std::mutex> lock(stateMutex_);
     checkPosted();
+    fences = fences_;
+  }
+  try {
+    parkStagedRecvs(fences);
+  } catch (const engine::Error& error) {
+    C10_THROW_ERROR(DistBackendError,
+                    c10::str("smfree: synchronize() on ", label_.describe(), ": ", error.what()));
   }
   waitFinished(kNoTimeout);
   std::lock_guard<std::mutex> lock(stateMutex_);

@@ -66,6 +66,8 @@ class SmFreeWork final : public c10d::Work {
     int device;
     engine::CudaFence fence;
   };
+  // Queues the copies in of the caller-staged recvs among `fences` (engine::CallerStaging).
+  static void parkStagedRecvs(const std::vector<StreamFence>& fences);
 
   const WorkLabel label_;
   const std::vector<at::Tensor> tensors_;

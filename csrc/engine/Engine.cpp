@@ -196,6 +196,18 @@ std::optional<std::string> Engine::failureOf(const std::string& processKey) {
   return it->second;
 }
 
+std::optional<std::string> Engine::failureAfterWait(uint64_t groupId) {
+  if (!anyFailure_.load(std::memory_order_acquire)) {
+    return std::nullopt;
+  }
+  std::lock_guard<std::mutex> lock(failuresMutex_);
+  auto it = failedAfterWait_.find(groupId);
+  if (it == failedAfterWait_.end()) {
+    return std::nullopt;
+  }
+  return it->second;
+}
+
 std::shared_ptr<Group> Engine::joinGroup(GroupConfig config, std::shared_ptr<KeyValueStore> store,
                                          std::chrono::milliseconds timeout) {
   if (config.size < 1 || config.rank < 0 || config.rank >= config.size) {
@@ -226,6 +238,7 @@ void Engine::run() {
   // buffer has gone to UCX its device's context stays current on this thread.
   cuda::CurrentContext ucxContext;
   while (runCommands()) {
+    if (!heldOps_.empty() && commitments_ == 0) startHeldOps();
     bool active = copyEngine_->progress();
     active = ucxChannel_->progress() || active;
     if (const int device = ucxChannel_->cudaDevice(); device >= 0) ucxContext.use(device);
@@ -352,6 +365,10 @@ void Engine::registerGroup(std::shared_ptr<const GroupConfig> config) {
     fail("group '", config->name, "' is already open in this process (or its name hashes like "
          "group '", existing->second.config->name, "')");
   }
+  {
+    std::lock_guard<std::mutex> lock(failuresMutex_);
+    failedAfterWait_.erase(id);  // of a closed group of the same name
+  }
   GroupState& state = groups_[id];
   state = GroupState{};
   state.config = config;
@@ -366,7 +383,7 @@ void Engine::registerGroup(std::shared_ptr<const GroupConfig> config) {
   }
 }
 
-void Engine::attachPeer(uint64_t groupId, int rank, const PeerAddress& address) {
+bool Engine::attachPeer(uint64_t groupId, int rank, const PeerAddress& address) {
   GroupState* group = findGroup(groupId);
   if (!group || group->closed) {
     fail("group is closed");
@@ -374,16 +391,19 @@ void Engine::attachPeer(uint64_t groupId, int rank, const PeerAddress& address) 
   auto existing = peers_.find(address.processKey);
   if (existing != peers_.end()) {
     group->peers[rank] = existing->second.get();
-    return;
+    return ucxChannel_->stagesCudaToward(*existing->second);
   }
   NewPeer added = makePeer(address);
+  Peer& peer = *added.peer;
   group->peers[rank] = added.peer.get();
   peers_.emplace(address.processKey, std::move(added.peer));
   if (added.unreachable) {
     // Its ops are refused, and recvs from any source pass it over, as with a peer that failed
     // later. Its engine is gone for good: a new one would publish a new process key.
     onPeerFailure(address.processKey, *added.unreachable);
+    return false;
   }
+  return ucxChannel_->stagesCudaToward(peer);
 }
 
 Engine::NewPeer Engine::makePeer(const PeerAddress& address) {
@@ -433,6 +453,15 @@ void Engine::closeGroup(uint64_t groupId, StatusCode code, const std::string& re
     if (moving) channelFor(*op).cancel(*op);
   }
   group->matcher.clear();
+  std::deque<std::shared_ptr<Op>> held;
+  for (auto& op : heldOps_) {
+    if (op->groupId != groupId) {
+      held.push_back(op);
+    } else {
+      complete(op, Status::failure(code, concat(op->describe(), " failed: ", reason)));
+    }
+  }
+  heldOps_.swap(held);
 }
 
 size_t Engine::releasedOpsInFlight(std::optional<uint64_t> groupId) {
@@ -486,7 +515,32 @@ std::map<std::string, int64_t> Engine::stats() {
            static_cast<int64_t>(ucxChannel_->hostStagingCachedBytes())}};
 }
 
+bool Engine::needsCudaOnProgressThread(const Op& op) {
+  return op.cuda || (op.ucxCuda && !op.ucxCuda->staging);
+}
+
+void Engine::startHeldOps() {
+  std::deque<std::shared_ptr<Op>> held;
+  held.swap(heldOps_);
+  for (const std::shared_ptr<Op>& op : held) startOp(op);
+}
+
 void Engine::startOp(const std::shared_ptr<Op>& op) {
+  if (!heldOps_.empty()) {
+    heldOps_.push_back(op);  // ops start in posting order: they match in it
+    return;
+  }
+  if (needsCudaOnProgressThread(*op)) {
+    if (promising_) {
+      promising_ = false;
+      stoppedPromising_ = op->describe();
+    }
+    // Its CUDA calls could stall this thread while a peer's stream waits for bytes it moves.
+    if (commitments_ > 0) {
+      heldOps_.push_back(op);
+      return;
+    }
+  }
   GroupState* group = findGroup(op->groupId);
   if (!group || group->closed) {
     complete(op, Status::failure(StatusCode::kAborted,
@@ -508,10 +562,20 @@ void Engine::startOp(const std::shared_ptr<Op>& op) {
     }
     if (op->isSend()) {
       op->seq = group->sendSeq[{op->request.peer, op->request.tag}]++;
+      // A caller-staged send's copies out are queued already (prepareUcxCuda).
+      op->promised = promising_ && op->ucxCuda && op->ucxCuda->staging;
+      if (op->promised) ++commitments_;
+      if (op->ucxCuda && op->ucxCuda->staging && !op->promised) {
+        logOnce("unpromised-send",
+                concat("staged CUDA sends are not promised since this process moved ",
+                       stoppedPromising_, " with CUDA calls on its progress thread: their "
+                       "receivers' wait() holds the CPU until the bytes land"));
+      }
       // Announced first: preparing may take a while (pinned memory allocated), and the
       // receiver can match meanwhile.
       sendControl(*peer, ReadyToSend{op->groupId, group->config->rank, op->request.tag, op->seq,
-                                     op->id, op->request.desc, channelKindOf(*op)});
+                                     op->id, op->request.desc, channelKindOf(*op),
+                                     op->promised});
       try {
         channelFor(*op).prepareSend(op, *peer);
       } catch (const Error& error) {
@@ -623,6 +687,27 @@ void Engine::onMatched(GroupState& group, Matcher::Match& match) {
     return;
   }
   sendControl(*sender, clear);
+  if (recv->ucxCuda && recv->ucxCuda->staging && !recv->finished()) {
+    // Its copies in may wait on the GPU only for bytes that nothing here has to move: the
+    // sender's are copied out and moved by threads that make no CUDA call (promised), the
+    // clear-to-send has left (an eager control message on a connection of its own), and the
+    // receive lane, which makes no CUDA call while this process promises, marks the pieces.
+    const bool promised = rts.promised && promising_;
+    if (!promised) {
+      logOnce("unpromised-recv",
+              concat(recv->describe(), " and later staged CUDA recvs like it hold the CPU in "
+                     "wait() until their bytes land: ",
+                     rts.promised ? concat("this process moved ", stoppedPromising_,
+                                           " with CUDA calls on its progress thread")
+                                  : std::string("the sender did not promise its send (it "
+                                                "makes CUDA calls on its progress thread)")));
+    }
+    recv->promised = promised;
+    if (promised) ++commitments_;
+    recv->ucxCuda->staging->matched.store(
+        promised ? CallerStaging::kMatchedPromised : CallerStaging::kMatchedUnpromised,
+        std::memory_order_release);
+  }
 }
 
 void Engine::onClearToSend(const ClearToSend& message) {
@@ -765,6 +850,16 @@ void Engine::complete(const std::shared_ptr<Op>& op, const Status& status) {
     return;
   }
   op->phase = Op::Phase::kDone;
+  if (!status.ok() && !op->isSend() && op->ucxCuda && op->ucxCuda->staging &&
+      op->ucxCuda->staging->park.load() == CallerStaging::kParked) {
+    // Its wait() may have returned, and its stream copies in whatever host memory holds: the
+    // caller hears of it at its next call on the group.
+    std::lock_guard<std::mutex> lock(failuresMutex_);
+    failedAfterWait_.try_emplace(op->groupId, concat(op->describe(), " failed after its "
+                                                     "wait() returned, so its tensor holds "
+                                                     "wrong bytes: ", status.message));
+    anyFailure_.store(true, std::memory_order_release);
+  }
   OpCallback callback = std::move(op->request.onComplete);
   op->request.onComplete = nullptr;
   if (callback) {
@@ -792,6 +887,7 @@ void Engine::release(const std::shared_ptr<Op>& op) {
   }
   op->released = true;
   op->request.keepalive.reset();
+  if (op->promised) --commitments_;
   if (op->cuda) {
     // No copy can touch `done` any more; `ready` waits for its own stream. Events go with
     // the last holder (a work may still make a stream wait on `copied`).
@@ -806,6 +902,15 @@ void Engine::release(const std::shared_ptr<Op>& op) {
   }
   if (op->ucxCuda) {
     flags_->release(op->ucxCuda->queued);
+    if (const auto& staging = op->ucxCuda->staging) {
+      if (op->isSend()) {
+        releaseOnceWritten(staging->lastPiece());  // a failed send's copies may still run
+      } else {
+        flags_->release(staging->progress);
+        flags_->release(staging->copiedIn);
+      }
+      staging->host.reset();
+    }
     op->ucxCuda->reached.reset();
     op->ucxCuda->copied.reset();
   }
@@ -880,10 +985,10 @@ CudaFence Engine::prepareCuda(Op& op, std::chrono::milliseconds timeout) {
     throw;
   }
   op.cuda = state;
-  return CudaFence{state.queued, state.done, state.copied};
+  return CudaFence{state.queued, state.done, state.copied, nullptr};
 }
 
-CudaFence Engine::prepareUcxCuda(Op& op, std::chrono::milliseconds timeout) {
+CudaFence Engine::prepareUcxCuda(Op& op, std::chrono::milliseconds timeout, bool staged) {
   static std::once_flag announced;
   std::call_once(announced, [this] {
     log(LogLevel::kInfo, "CUDA tensors to some ranks move over UCX (SMFREE_TRANSPORT=",
@@ -899,15 +1004,89 @@ CudaFence Engine::prepareUcxCuda(Op& op, std::chrono::milliseconds timeout) {
     auto copied = cuda::takeEvent(device);
     reached->record(static_cast<CUstream>(op.request.stream));
     queued = flags_->acquire();
-    op.ucxCuda = UcxCudaState{*queued, std::move(reached), std::move(copied)};
+    op.ucxCuda = UcxCudaState{*queued, std::move(reached), std::move(copied), nullptr};
+    if (staged) op.ucxCuda->staging = stageFromCaller(op);
   } catch (...) {
     flags_->release(ready);
     if (queued) flags_->release(*queued);
+    op.ucxCuda.reset();
     retireCuda();
     throw;
   }
   op.streamReady = ready;
-  return CudaFence{op.ucxCuda->queued, {}, op.ucxCuda->copied};
+  CudaFence fence{op.ucxCuda->queued, {}, op.ucxCuda->copied, nullptr};
+  if (!op.isSend()) fence.park = op.ucxCuda->staging;
+  return fence;
+}
+
+std::shared_ptr<CallerStaging> Engine::stageFromCaller(const Op& op) {
+  const Buffer& buffer = op.request.buffer;
+  auto staging = std::make_shared<CallerStaging>();
+  staging->data = buffer.data;
+  staging->bytes = buffer.bytes;
+  staging->device = buffer.device;
+  staging->pieceBytes = stagingPieceBytes(buffer.bytes, config_.hostStagingPieceBytes);
+  staging->pieces =
+      static_cast<uint32_t>(stagingPieceCount(buffer.bytes, staging->pieceBytes));
+  staging->reached = op.ucxCuda->reached;
+  staging->copied = op.ucxCuda->copied;
+  staging->queued = op.ucxCuda->queued;
+  HostStaging& host = ucxChannel_->staging();
+  staging->host = host.take(buffer.device, buffer.bytes);
+  staging->progress = flags_->acquire(staging->pieces);
+  try {
+    if (op.isSend()) {
+      host.copyOutInPieces(*staging, *flags_);
+    } else {
+      staging->copiedIn = flags_->acquire();
+    }
+  } catch (...) {
+    flags_->release(staging->progress);
+    throw;
+  }
+  return staging;
+}
+
+bool Engine::queueCopiesInOnceMatched(CallerStaging& staging) {
+  if (flags_->isSet(staging.queued)) return true;  // queued, or the recv failed
+  // Matched with a promised send, the copies wait on the GPU for bytes whose copies out are
+  // already queued on the sender's GPU, and which no thread that could stall has to move.
+  // Otherwise they are queued only once the bytes are here: a stream must wait for nothing
+  // else.
+  const int matched = staging.matched.load(std::memory_order_acquire);
+  const bool mayQueue =
+      matched == CallerStaging::kMatchedPromised ||
+      (matched == CallerStaging::kMatchedUnpromised && flags_->isSet(staging.lastPiece()));
+  if (!mayQueue) return false;
+  int state = CallerStaging::kNotParked;
+  if (!staging.park.compare_exchange_strong(state, CallerStaging::kParked)) {
+    return false;  // another thread queues them, or the recv failed: `queued` follows
+  }
+  try {
+    ucxChannel_->staging().copyInAsPiecesLand(staging, *flags_);
+  } catch (...) {
+    flags_->set(staging.copiedIn);  // the progress thread must not wait for it
+    flags_->set(staging.queued);
+    throw;
+  }
+  flags_->set(staging.queued);
+  worker_->signal();  // the progress thread watches `copiedIn` from now on
+  return true;
+}
+
+void Engine::park(CallerStaging& staging, Clock::time_point deadline) {
+  const auto spinUntil = Clock::now() + config_.spin;
+  auto nap = std::chrono::microseconds(5);
+  while (!queueCopiesInOnceMatched(staging)) {
+    const auto now = Clock::now();
+    if (now >= deadline) fail("the recv did not match, or its bytes did not land, in time");
+    if (now < spinUntil) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(nap);
+      nap = std::min(nap * 2, std::chrono::microseconds(20));
+    }
+  }
 }
 
 void Engine::awaitQueued(const cuda::Flag& queued, Clock::time_point deadline) {

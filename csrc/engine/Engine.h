@@ -75,13 +75,24 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // (staged UCX ops, UcxCudaState) to finish their copies: of one group, or of all.
   void awaitReleasedOps(std::optional<uint64_t> groupId, Clock::time_point deadline);
   std::optional<std::string> failureOf(const std::string& processKey);
+  // Why the group's calls are refused: a recv of it failed after its wait() had returned.
+  std::optional<std::string> failureAfterWait(uint64_t groupId);
   uint64_t nextOpId() { return nextOpId_.fetch_add(1); }
   // On the caller's thread: a CUDA op's flags and events, and what its stream signals at
   // posting (a recv's `ready` write, a send's `produced` record).
   CudaFence prepareCuda(Op& op, std::chrono::milliseconds timeout);
   // On the caller's thread, for a CUDA op over UCX: its stream's `streamReady` write and
   // `reached` record, and its fence (see UcxCudaState).
-  CudaFence prepareUcxCuda(Op& op, std::chrono::milliseconds timeout);
+  // `staged`: the op goes through pinned host memory (CallerStaging); a send's copies out are
+  // queued here.
+  CudaFence prepareUcxCuda(Op& op, std::chrono::milliseconds timeout, bool staged);
+  std::shared_ptr<CallerStaging> stageFromCaller(const Op& op);
+  // Caller's thread, a caller-staged recv: queues its copies in, which wait on the GPU for
+  // their pieces to land, and sets `queued`, if its match allows that now; true once `queued`
+  // is set (also by a failure).
+  bool queueCopiesInOnceMatched(CallerStaging& staging);
+  // The same, blocking until it can (a recv's wait()).
+  void park(CallerStaging& staging, Clock::time_point deadline);
   // Queues the write of `flag` on the op's stream (the caller's), in its device's context.
   void writeFromStream(const Op& op, const cuda::Flag& flag);
   // Bounds the CUDA ops in flight (flag words, tensors held), blocking the caller before it
@@ -98,7 +109,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   void run();
   bool runCommands();
   void registerGroup(std::shared_ptr<const GroupConfig> config);
-  void attachPeer(uint64_t groupId, int rank, const PeerAddress& address);
+  // Returns whether CUDA buffers to and from the peer go through pinned host memory.
+  bool attachPeer(uint64_t groupId, int rank, const PeerAddress& address);
   struct NewPeer {
     std::unique_ptr<Peer> peer;
     std::optional<std::string> unreachable;  // why it has no endpoints
@@ -110,6 +122,11 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::map<std::string, int64_t> stats();
 
   void startOp(const std::shared_ptr<Op>& op);
+  // Whether the progress thread makes CUDA calls for the op (copy engines, or UCX moving
+  // CUDA memory itself): all but caller-staged ones.
+  static bool needsCudaOnProgressThread(const Op& op);
+  // Starts the ops held back while commitments were in flight, once none is.
+  void startHeldOps();
   void onControlMessage(const void* data, size_t length);
   void onReadyToSend(const ReadyToSend& message);
   void onClearToSend(const ClearToSend& message);
@@ -162,6 +179,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
 
   std::mutex failuresMutex_;
   std::unordered_map<std::string, std::string> failures_;  // processKey -> why
+  std::unordered_map<uint64_t, std::string> failedAfterWait_;  // group id -> why
   std::atomic<bool> anyFailure_{false};  // lets the post path skip the lookup
 
   // Progress thread only.
@@ -171,6 +189,14 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::unordered_map<uint64_t, std::vector<ReadyToSend>> orphans_;  // for groups not joined yet
   std::vector<cuda::Flag> unreachedReadyFlags_;  // freed once their stream has written them
   std::vector<pollfd> sleepEvents_;
+  // While true, this thread and the receive lane have made no CUDA call, so staged sends are
+  // announced as promised. The first op that needs one ends it for good; that op waits in
+  // heldOps_ until no commitment is in flight: no promised send still moving (a receiver's
+  // stream may wait for it), no recv whose copies in wait on a promised send.
+  bool promising_ = true;
+  std::string stoppedPromising_;  // the op that ended it
+  size_t commitments_ = 0;
+  std::deque<std::shared_ptr<Op>> heldOps_;
 };
 
 template <typename T>

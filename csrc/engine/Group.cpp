@@ -19,9 +19,11 @@ Group::Group(std::shared_ptr<Engine> engine, std::shared_ptr<const GroupConfig> 
       timeoutMs_(timeout.count()),
       connected_(std::make_unique<std::atomic<bool>[]>(config_->size)),
       processKeys_(config_->size),
-      sameHost_(std::make_unique<std::atomic<bool>[]>(config_->size)) {
+      sameHost_(std::make_unique<std::atomic<bool>[]>(config_->size)),
+      stagesCuda_(std::make_unique<std::atomic<bool>[]>(config_->size)) {
   for (int rank = 0; rank < config_->size; ++rank) {
     connected_[rank] = false;
+    stagesCuda_[rank] = false;
     sameHost_[rank] = rank == config_->rank;
   }
 }
@@ -41,8 +43,10 @@ void Group::connect(int rank) {
   const PeerAddress address = PeerAddress::decode(store_->get(addressKey(rank)));
   const uint64_t id = id_;
   Engine* engine = engine_.get();
-  engine_->call<void>([engine, id, rank, address] { engine->attachPeer(id, rank, address); },
-                      timeout(), "connecting to a peer");
+  const bool stagesCuda = engine_->call<bool>(
+      [engine, id, rank, address] { return engine->attachPeer(id, rank, address); }, timeout(),
+      "connecting to a peer");
+  stagesCuda_[rank] = stagesCuda;
   {
     std::lock_guard<std::mutex> lock(keysMutex_);
     processKeys_[rank] = address.processKey;
@@ -71,7 +75,10 @@ std::optional<CudaFence> Group::post(OpRequest request) {
     if (onCopyEngine(op->request.peer)) {
       fence = engine_->prepareCuda(*op, timeout());
     } else {
-      fence = engine_->prepareUcxCuda(*op, timeout());
+      const int peer = op->request.peer;
+      const bool staged =
+          peer != kAnySource && stagesCuda_[peer] && op->request.buffer.bytes > 0;
+      fence = engine_->prepareUcxCuda(*op, timeout(), staged);
     }
   }
   op->posted = Clock::now();
@@ -109,8 +116,19 @@ bool Group::onCopyEngine(int peer) const {
 
 void Group::awaitQueued(const CudaFence& fence) {
   // The op's own timeout sets `queued` first; the margin only guards against a stuck engine.
-  engine_->awaitQueued(fence.queued, Clock::now() + timeout() + kQueuedMargin);
+  const auto deadline = Clock::now() + timeout() + kQueuedMargin;
+  if (fence.park) {
+    engine_->park(*fence.park, deadline);
+  } else {
+    engine_->awaitQueued(fence.queued, deadline);
+  }
 }
+
+bool Group::queueCopiesInOnceMatched(const CudaFence& fence) {
+  return engine_->queueCopiesInOnceMatched(*fence.park);
+}
+
+std::optional<std::string> Group::failureAfterWait() { return engine_->failureAfterWait(id_); }
 
 void Group::waitOnStream(void* stream, int device, const CudaFence& fence) {
   engine_->waitOnStream(stream, device, fence);

@@ -36,11 +36,16 @@ class Group {
   // Returns once the partner has posted and the copy is submitted, or the op failed; throws
   // if neither happens within the group timeout.
   void awaitQueued(const CudaFence& fence);
+  // A caller-staged recv (CudaFence::park): queues its copies in if its match allows that
+  // now, without blocking; true once they are queued or it failed.
+  bool queueCopiesInOnceMatched(const CudaFence& fence);
   // Makes `stream` wait for the copy on the GPU; call only after awaitQueued.
   void waitOnStream(void* stream, int device, const CudaFence& fence);
   // Fails every pending op with `reason` and refuses new ones; returns once that is done.
   // Unless `abort`, it first lets the ops whose wait() has returned finish moving.
   void close(StatusCode code, const std::string& reason, bool abort);
+  // Why calls on the group are refused: one of its recvs failed after its wait() returned.
+  std::optional<std::string> failureAfterWait();
   // Why `rank`'s process is known dead, if it is.
   std::optional<std::string> peerFailure(int rank);
   std::string dumpPending();
@@ -61,6 +66,7 @@ class Group {
   std::mutex keysMutex_;
   std::vector<std::string> processKeys_;  // by rank, once connected
   std::unique_ptr<std::atomic<bool>[]> sameHost_;  // by rank, written before connected_
+  std::unique_ptr<std::atomic<bool>[]> stagesCuda_;  // by rank, written before connected_
   std::atomic<bool> closed_{false};
 };
 

@@ -72,6 +72,9 @@ struct Op {
   // done; UCX touches the buffer only after that.
   std::optional<cuda::Flag> streamReady;
   std::optional<UcxCudaState> ucxCuda;  // a CUDA op over UCX
+  // A send announced as promised, or a recv matched with one whose copies in may wait on the
+  // GPU (Engine::commitments_).
+  bool promised = false;
 
   bool isSend() const { return request.kind == OpKind::kSend; }
   bool finished() const { return phase == Phase::kDone; }

@@ -95,6 +95,7 @@ void write(Writer& w, const ReadyToSend& m) {
   w.put(m.sendId);
   w.put(m.desc);
   w.put(m.channel);
+  w.put(static_cast<uint8_t>(m.promised));
 }
 
 void write(Writer& w, const ClearToSend& m) {
@@ -161,6 +162,7 @@ ControlMessage decode(const void* data, size_t length) {
       if (m.channel != ChannelKind::kUcx && m.channel != ChannelKind::kCopyEngine) {
         fail("unknown data channel ", static_cast<int>(m.channel), " in a ready-to-send");
       }
+      m.promised = r.get<uint8_t>() != 0;
       return m;
     }
     case MessageType::kClearToSend: {

@@ -23,6 +23,10 @@ struct ReadyToSend {
   uint64_t sendId = 0;
   TensorDesc desc;
   ChannelKind channel = ChannelKind::kUcx;
+  // A staged CUDA send (CallerStaging) whose copies out are queued, and whose process moves
+  // its bytes without any CUDA call on a thread that could stall: its receiver may queue its
+  // copies in to wait for them on the GPU.
+  bool promised = false;
 };
 
 struct ClearToSend {

@@ -138,12 +138,16 @@ void wireRoundTrips() {
   ready.group = groupIdOf("pp");
   ready.desc = TensorDesc{64, "bfloat16", "cuda", {4, 8}};
   ready.channel = ChannelKind::kCopyEngine;
+  ready.promised = true;
   auto decoded = std::get<ReadyToSend>(decode(encode(ready).data(), encode(ready).size()));
   CHECK(decoded.group == ready.group && decoded.source == 5 && decoded.tag == -2);
   CHECK(decoded.seq == 99 && decoded.sendId == 1234);
   CHECK(decoded.desc.bytes == 64 && decoded.desc.dtype == "bfloat16" && decoded.desc.device == "cuda");
   CHECK((decoded.desc.shape == std::vector<int64_t>{4, 8}));
   CHECK(decoded.channel == ChannelKind::kCopyEngine);
+  CHECK(decoded.promised);
+  ready.promised = false;
+  CHECK(!std::get<ReadyToSend>(decode(encode(ready).data(), encode(ready).size())).promised);
 
   ClearToSend clear{7, 1, 55, 66, std::string("\0\1\2", 3)};
   auto bytes = encode(clear);
@@ -185,7 +189,7 @@ void wireRejectsTruncatedMessages() {
 
 void wireRejectsAnUnknownChannel() {
   auto bytes = encode(rts(0, 0, 0));
-  bytes.back() = 7;  // the channel is the last byte of a ready-to-send
+  bytes[bytes.size() - 2] = 7;  // the channel: the byte before a ready-to-send's promise
   bool threw = false;
   try {
     decode(bytes.data(), bytes.size());

@@ -1,10 +1,12 @@
 #include "engine/channels/ucx/HostStaging.h"
 
+#include <algorithm>
 #include <mutex>
 #include <vector>
 
 #include "engine/Log.h"
 #include "engine/cuda/CudaDriver.h"
+#include "engine/cuda/StreamMemoryOps.h"
 
 namespace smfree::engine {
 namespace {
@@ -16,6 +18,26 @@ constexpr uint64_t kSmallestClass = uint64_t{64} << 10;
 constexpr const char* kToHost = "device to host staging";
 constexpr const char* kToDevice = "host staging to device";
 
+struct PieceSpan {
+  uint64_t offset;
+  uint64_t bytes;
+};
+
+PieceSpan spanOf(const CallerStaging& staging, uint32_t piece) {
+  if (staging.pieceBytes == 0) return {0, staging.bytes};
+  const uint64_t offset = piece * staging.pieceBytes;
+  return {offset, std::min(staging.pieceBytes, staging.bytes - offset)};
+}
+
+void* addressIn(void* base, uint64_t offset) { return static_cast<char*>(base) + offset; }
+
+void copyOn(CUstream stream, const char* direction, const void* to, const void* from,
+            uint64_t bytes) {
+  cuda::check(cuda::driver().cuMemcpyAsync(reinterpret_cast<CUdeviceptr>(to),
+                                           reinterpret_cast<CUdeviceptr>(from), bytes, stream),
+              concat("cuMemcpyAsync (", direction, ")").c_str());
+}
+
 uint64_t sizeClass(uint64_t bytes) {
   uint64_t size = kSmallestClass;
   while (size < bytes) size *= 2;
@@ -23,6 +45,15 @@ uint64_t sizeClass(uint64_t bytes) {
 }
 
 }  // namespace
+
+uint64_t stagingPieceBytes(uint64_t bytes, uint64_t preferred) {
+  if (preferred == 0 || bytes <= preferred) return 0;
+  return std::max(preferred, (bytes + kMostStagingPieces - 1) / kMostStagingPieces);
+}
+
+uint64_t stagingPieceCount(uint64_t bytes, uint64_t pieceBytes) {
+  return pieceBytes == 0 ? 1 : (bytes + pieceBytes - 1) / pieceBytes;
+}
 
 // Idle buffers by size class. Allocating pinned memory costs milliseconds (a 256 MiB buffer
 // per op made 256 MiB sends 5 x slower), so buffers are kept, as PyTorch keeps its pinned
@@ -77,23 +108,13 @@ cuda::Stream& HostStaging::streamOf(Streams& streams, int device, const char* di
 std::shared_ptr<cuda::Event> HostStaging::copy(Streams& streams, int device, const char* direction,
                                                const void* to, const void* from,
                                                uint64_t bytes) {
+  std::lock_guard<std::mutex> lock(streamsMutex_);
   const cuda::Stream& stream = streamOf(streams, device, direction);
   cuda::ContextGuard context(device);
-  cuda::check(cuda::driver().cuMemcpyAsync(reinterpret_cast<CUdeviceptr>(to),
-                                           reinterpret_cast<CUdeviceptr>(from), bytes,
-                                           stream.handle()),
-              concat("cuMemcpyAsync (", direction, ")").c_str());
+  copyOn(stream.handle(), direction, to, from, bytes);
   std::shared_ptr<cuda::Event> copied = cuda::takeEvent(device);
   copied->record(stream.handle());
   return copied;
-}
-
-std::shared_ptr<cuda::Event> HostStaging::copyToHost(const Buffer& from,
-                                                     const cuda::PinnedMemory& to,
-                                                     uint64_t offset, uint64_t bytes) {
-  return copy(toHost_, from.device, kToHost,
-              static_cast<char*>(to.data()) + offset, static_cast<char*>(from.data) + offset,
-              bytes);
 }
 
 std::shared_ptr<cuda::Event> HostStaging::copyToDevice(const cuda::PinnedMemory& from,
@@ -104,20 +125,48 @@ std::shared_ptr<cuda::Event> HostStaging::copyToDevice(const cuda::PinnedMemory&
               bytes);
 }
 
-void HostStaging::copyToHostAfter(int device, const cuda::Event& event) {
-  event.waitOn(streamOf(toHost_, device, kToHost).handle());
-}
-
 void HostStaging::copyToDeviceAfter(int device, const cuda::Event& event) {
+  std::lock_guard<std::mutex> lock(streamsMutex_);
   event.waitOn(streamOf(toDevice_, device, kToDevice).handle());
 }
 
-void HostStaging::recordAfterCopiesToHost(int device, cuda::Event& event) {
-  event.record(streamOf(toHost_, device, kToHost).handle());
+void HostStaging::recordAfterCopiesToDevice(int device, cuda::Event& event) {
+  std::lock_guard<std::mutex> lock(streamsMutex_);
+  event.record(streamOf(toDevice_, device, kToDevice).handle());
 }
 
-void HostStaging::recordAfterCopiesToDevice(int device, cuda::Event& event) {
-  event.record(streamOf(toDevice_, device, kToDevice).handle());
+void HostStaging::copyOutInPieces(const CallerStaging& staging, cuda::FlagSegment& flags) {
+  std::lock_guard<std::mutex> lock(streamsMutex_);
+  const CUstream stream = streamOf(toHost_, staging.device, kToHost).handle();
+  cuda::ContextGuard context(staging.device);
+  staging.reached->waitOn(stream);
+  void* progress = flags.cudaAddress(staging.progress.index);
+  for (uint32_t piece = 0; piece < staging.pieces; ++piece) {
+    const PieceSpan span = spanOf(staging, piece);
+    copyOn(stream, kToHost, addressIn(staging.host->data(), span.offset),
+           addressIn(staging.data, span.offset), span.bytes);
+    cuda::writeWord(stream, progress, staging.progress.value + piece,
+                    "cuStreamWriteValue32 (staged piece out)");
+  }
+  staging.copied->record(stream);
+}
+
+void HostStaging::copyInAsPiecesLand(const CallerStaging& staging, cuda::FlagSegment& flags) {
+  std::lock_guard<std::mutex> lock(streamsMutex_);
+  const CUstream stream = streamOf(toDevice_, staging.device, kToDevice).handle();
+  cuda::ContextGuard context(staging.device);
+  staging.reached->waitOn(stream);
+  void* landed = flags.cudaAddress(staging.progress.index);
+  for (uint32_t piece = 0; piece < staging.pieces; ++piece) {
+    const PieceSpan span = spanOf(staging, piece);
+    cuda::waitAtLeast(stream, landed, staging.progress.value + piece,
+                      "cuStreamWaitValue32 (staged piece landed)");
+    copyOn(stream, kToDevice, addressIn(staging.data, span.offset),
+           addressIn(staging.host->data(), span.offset), span.bytes);
+  }
+  cuda::writeWord(stream, flags.cudaAddress(staging.copiedIn.index), staging.copiedIn.value,
+                  "cuStreamWriteValue32 (staged copies in)");
+  staging.copied->record(stream);
 }
 
 uint64_t HostStaging::cachedBytes() const {

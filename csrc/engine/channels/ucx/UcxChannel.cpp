@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <deque>
 #include <optional>
 
 #include "engine/Error.h"
@@ -18,6 +17,7 @@ constexpr ucp_tag_t kFullMask = ~ucp_tag_t{0};
 // piece's index.
 constexpr unsigned kPieceBits = 20;
 constexpr uint64_t kMostPieces = uint64_t{1} << kPieceBits;
+static_assert(kMostPieces == kMostStagingPieces);
 
 enum class PieceState : uint8_t {
   kWaiting,  // not yet touched
@@ -44,28 +44,11 @@ Status copyFailure(const Op& op, const Error& error) {
   return Status::failure(StatusCode::kTransport, concat(op.describe(), ": ", error.what()));
 }
 
-// The pieces of a buffer: their size (0 for one piece) as `preferred` allows.
-uint64_t pieceBytesFor(uint64_t bytes, uint64_t preferred) {
-  if (preferred == 0 || bytes <= preferred) return 0;
-  return std::max(preferred, (bytes + kMostPieces - 1) / kMostPieces);
-}
-
-uint64_t pieceCount(uint64_t bytes, uint64_t pieceBytes) {
-  return pieceBytes == 0 ? 1 : (bytes + pieceBytes - 1) / pieceBytes;
-}
-
 }  // namespace
 
 // One op's bytes in this channel, from the clear-to-send (a staged send: from its post; a recv:
 // from its arming) until no UCX request or copy touches its buffer.
 struct UcxChannel::Movement {
-  // A staged send's copy out of one piece of its own size: bytes [.., end) are in host memory
-  // once `copied` is reached.
-  struct CopyOut {
-    uint64_t end;
-    std::shared_ptr<cuda::Event> copied;
-  };
-
   std::shared_ptr<Op> op;
   Peer* destination = nullptr;  // null for a recv
   bool cleared = false;         // a send: its clear-to-send gave the tag and the pieces
@@ -76,11 +59,16 @@ struct UcxChannel::Movement {
   std::shared_ptr<cuda::PinnedMemory> host;  // staged: what UCX moves instead of the buffer
   std::vector<PieceState> pieces;
   std::vector<std::shared_ptr<cuda::Event>> copies;  // staged recv: each piece's copy in
-  std::deque<CopyOut> copiesOut;  // staged send: copies out not yet seen done, in order
   uint64_t copiedOut = 0;         // staged send: bytes in host memory
   std::vector<void*> requests;    // UCX requests not yet completed
   uint32_t nextToTransmit = 0;    // staged send: pieces go out in order
   uint32_t copiesInQueued = 0;    // staged recv
+  // Staged by its caller (CallerStaging): the caller's thread queues its copies.
+  std::shared_ptr<CallerStaging> callerStaging;
+  // Caller-staged recv, receive lane's thread only: which pieces have landed, and how many
+  // from the first have.
+  std::vector<uint8_t> landedOnLane;
+  uint32_t landedInOrder = 0;
   uint32_t done = 0;
   std::optional<Status> failure;
   bool cancelled = false;  // its requests were cancelled after the failure
@@ -93,13 +81,15 @@ struct UcxChannel::Movement {
   }
   void setPieces(uint64_t bytes) {
     pieceBytes = bytes;
-    const uint64_t count = pieceCount(op->request.buffer.bytes, bytes);
+    const uint64_t count = stagingPieceCount(op->request.buffer.bytes, bytes);
     pieces.assign(count, PieceState::kWaiting);
     copies.resize(count);
   }
-  bool copyPending() const {
-    for (const CopyOut& copy : copiesOut) {
-      if (!copy.copied->reached()) return true;
+  bool copyPending(const cuda::FlagSegment& flags) const {
+    if (callerStaging) {
+      if (isSend()) return !flags.isSet(callerStaging->lastPiece());
+      return callerStaging->park.load() == CallerStaging::kParked &&
+             !flags.isSet(callerStaging->copiedIn);
     }
     for (size_t i = 0; i < pieces.size(); ++i) {
       if (pieces[i] == PieceState::kCopying && !copies[i]->reached()) return true;
@@ -136,7 +126,12 @@ bool UcxChannel::streamReached(const Op& op) const {
 
 bool UcxChannel::stagesThroughHost(const Op& op, Peer& peer) {
   const Buffer& buffer = op.request.buffer;
-  if (buffer.memory != MemoryKind::kCuda || buffer.bytes == 0 || !peer.dataEndpoint) return false;
+  if (buffer.memory != MemoryKind::kCuda || buffer.bytes == 0) return false;
+  return stagesCudaToward(peer);
+}
+
+bool UcxChannel::stagesCudaToward(Peer& peer) {
+  if (!peer.dataEndpoint) return false;
   auto [decision, first] = stagingDecisions_.try_emplace(&peer, false);
   if (first) decision->second = onlyTcpToward(peer);
   return decision->second;
@@ -175,22 +170,35 @@ UcxChannel::Movement& UcxChannel::track(const std::shared_ptr<Op>& op, Peer* des
 }
 
 void UcxChannel::prepareSend(const std::shared_ptr<Op>& send, Peer& destination) {
-  if (!stagesThroughHost(*send, destination)) return;
+  if (!send->ucxCuda || !send->ucxCuda->staging) return;
+  // Staged by its caller (Group::post), whose copies out are queued already.
   Movement& movement = track(send, &destination);
   movement.staged = true;
-  copyOut(movement);  // the copies wait for the caller's stream on the GPU
+  movement.started = true;
+  movement.callerStaging = send->ucxCuda->staging;
+  movement.host = movement.callerStaging->host;
+  ++hostStagedSends_;
 }
 
 std::string UcxChannel::armRecv(const std::shared_ptr<Op>& recv, Peer& source) {
-  const bool staged = stagesThroughHost(*recv, source);
+  std::shared_ptr<CallerStaging> callerStaging =
+      recv->ucxCuda ? recv->ucxCuda->staging : nullptr;
+  const bool staged = callerStaging || stagesThroughHost(*recv, source);
   const uint64_t bytes = recv->request.buffer.bytes;
-  const uint64_t pieceBytes = staged ? pieceBytesFor(bytes, pieceBytes_) : 0;
+  const uint64_t pieceBytes = callerStaging ? callerStaging->pieceBytes
+                              : staged      ? stagingPieceBytes(bytes, pieceBytes_)
+                                            : 0;
   const ucp_tag_t tag = recv->id << kPieceBits;
   Movement& movement = track(recv, nullptr);
   movement.tag = tag;
   movement.setPieces(pieceBytes);
   movement.staged = staged;
-  if (staged) {
+  if (callerStaging) {
+    movement.callerStaging = callerStaging;
+    movement.host = callerStaging->host;
+    movement.landedOnLane.assign(movement.pieces.size(), 0);
+    ++hostStagedRecvs_;
+  } else if (staged) {
     movement.host = staging_.take(recv->request.buffer.device, bytes);
     ++hostStagedRecvs_;
   }
@@ -250,30 +258,6 @@ bool UcxChannel::startOnceStreamReached(Movement& movement) {
     postPiece(movement, piece);
   }
   return true;
-}
-
-void UcxChannel::copyOut(Movement& movement) {
-  movement.started = true;
-  const Op& op = *movement.op;
-  const Buffer& buffer = op.request.buffer;
-  // Its own pieces, so that the first leaves before the last is copied; the receiver's
-  // pieces, which UCX moves, go once the bytes they span are out.
-  const uint64_t pieceBytes = pieceBytesFor(buffer.bytes, pieceBytes_);
-  try {
-    movement.host = staging_.take(buffer.device, buffer.bytes);
-    staging_.copyToHostAfter(buffer.device, *op.ucxCuda->reached);
-    for (uint64_t offset = 0; offset < buffer.bytes;) {
-      const uint64_t bytes =
-          pieceBytes == 0 ? buffer.bytes : std::min(pieceBytes, buffer.bytes - offset);
-      movement.copiesOut.push_back(
-          {offset + bytes, staging_.copyToHost(buffer, *movement.host, offset, bytes)});
-      offset += bytes;
-    }
-    staging_.recordAfterCopiesToHost(buffer.device, *op.ucxCuda->copied);
-    ++hostStagedSends_;
-  } catch (const Error& error) {
-    movement.failure = copyFailure(op, error);
-  }
 }
 
 void UcxChannel::postPiece(Movement& movement, uint32_t piece) {
@@ -350,6 +334,7 @@ bool UcxChannel::advance(Movement& movement) {
   if (movement.failure) {
     if (movement.cancelled) return false;
     movement.cancelled = true;
+    releaseParkedCopies(movement);
     for (void* request : movement.requests) ucp_request_cancel(workerOf(movement), request);
     return true;
   }
@@ -357,6 +342,7 @@ bool UcxChannel::advance(Movement& movement) {
   if (movement.isSend() && !movement.cleared) return countCopiedOut(movement);
   if (!movement.started) return startOnceStreamReached(movement);
   if (!movement.staged) return false;
+  if (movement.callerStaging && !movement.isSend()) return false;  // its caller copies in
   if (movement.isSend()) {
     const bool counted = countCopiedOut(movement);
     return transmitCopiedPieces(movement) || counted;
@@ -365,15 +351,26 @@ bool UcxChannel::advance(Movement& movement) {
   return countCopiedInPieces(movement) || copying;
 }
 
+void UcxChannel::releaseParkedCopies(Movement& movement) {
+  if (!movement.callerStaging || movement.isSend()) return;
+  CallerStaging& staging = *movement.callerStaging;
+  int state = CallerStaging::kNotParked;
+  if (staging.park.compare_exchange_strong(state, CallerStaging::kFailedFirst)) return;
+  // Its caller's stream waits for pieces that will not land now: let the copies run over
+  // what is there, so the stream goes on; the op reports the failure.
+  flags_.set(staging.lastPiece());
+}
+
 bool UcxChannel::countCopiedOut(Movement& movement) {
-  bool counted = false;
-  auto& copies = movement.copiesOut;
-  while (!copies.empty() && copies.front().copied->reached()) {
-    movement.copiedOut = copies.front().end;
-    copies.pop_front();
-    counted = true;
-  }
-  return counted;
+  const CallerStaging& staging = *movement.callerStaging;
+  const uint32_t word = flags_.wordOf(staging.progress);
+  if (!cuda::reached(word, staging.progress.value)) return false;
+  const uint64_t out = std::min<uint64_t>(word - staging.progress.value + 1, staging.pieces);
+  const uint64_t copiedOut =
+      staging.pieceBytes == 0 ? staging.bytes : std::min(out * staging.pieceBytes, staging.bytes);
+  if (copiedOut == movement.copiedOut) return false;
+  movement.copiedOut = copiedOut;
+  return true;
 }
 
 bool UcxChannel::transmitCopiedPieces(Movement& movement) {
@@ -433,7 +430,11 @@ bool UcxChannel::countCopiedInPieces(Movement& movement) {
 
 bool UcxChannel::ended(const Movement& movement) const {
   if (!movement.requests.empty()) return false;
-  if (movement.failure) return !movement.copyPending();
+  if (movement.failure) return !movement.copyPending(flags_);
+  if (movement.callerStaging && !movement.isSend() &&
+      !flags_.isSet(movement.callerStaging->copiedIn)) {
+    return false;
+  }
   return (!movement.isSend() || movement.cleared) && movement.done == movement.pieces.size();
 }
 
@@ -445,7 +446,14 @@ bool UcxChannel::busy() const {
   }
   for (const auto& [id, movement] : movements_) {
     if (!movement->started || movement->failure || ended(*movement)) return true;
-    if (!movement->copiesOut.empty()) return true;
+    if (const auto& staging = movement->callerStaging) {
+      // Words that streams write, polled: a send's copies out, a recv's copies in once its
+      // wait() has queued them.
+      if (movement->isSend() ? movement->copiedOut < staging->bytes
+                             : staging->park.load() == CallerStaging::kParked) {
+        return true;
+      }
+    }
     for (const PieceState state : movement->pieces) {
       if (state == PieceState::kCopying || state == PieceState::kLanded) return true;
     }
@@ -503,12 +511,26 @@ void UcxChannel::finish(const Completion& completion) {
     if (!movement.failure) movement.failure = std::move(failure);
     return;
   }
-  if (movement.staged && !movement.isSend()) {
+  if (movement.staged && !movement.isSend() && !movement.callerStaging) {
     movement.pieces[piece] = PieceState::kLanded;
     return;
   }
   movement.pieces[piece] = PieceState::kDone;
   ++movement.done;
+}
+
+void UcxChannel::markLanded(Movement& movement, uint32_t piece) {
+  movement.landedOnLane[piece] = 1;
+  const uint32_t before = movement.landedInOrder;
+  while (movement.landedInOrder < movement.landedOnLane.size() &&
+         movement.landedOnLane[movement.landedInOrder]) {
+    ++movement.landedInOrder;
+  }
+  // Straight from the receive lane: the copies in that wait for it do not depend on the
+  // progress thread.
+  if (movement.landedInOrder > before) {
+    flags_.set(movement.callerStaging->progress.plus(movement.landedInOrder - 1));
+  }
 }
 
 void UcxChannel::onSent(void* request, ucs_status_t status, void* userData) {
@@ -521,6 +543,11 @@ void UcxChannel::onReceived(void* request, ucs_status_t status, const ucp_tag_re
                             void* userData) {
   auto* transfer = static_cast<Transfer*>(userData);
   const size_t length = status == UCS_OK ? info->length : 0;
+  Movement& movement = *transfer->movement;
+  if (movement.callerStaging && status == UCS_OK &&
+      length == movement.bytesOf(transfer->piece)) {
+    transfer->channel->markLanded(movement, transfer->piece);
+  }
   transfer->channel->enqueue(Completion{transfer, request, status, length}, true);
 }
 

@@ -27,14 +27,14 @@ namespace smfree::engine {
 // caller's stream waits for its copies, queued before that wait (UcxCudaState).
 //
 // Toward a peer that UCX reaches over TCP alone, CUDA buffers go through pinned host memory
-// (HostStaging), in pieces so that copies and the network overlap. A send is copied out when
-// it is posted, in pieces of the sender's size (the copies wait on the GPU for the stream to
-// reach the send), and each piece UCX moves goes as soon as the bytes it spans are out. The
-// receiver chooses those pieces and tells the sender with its clear-to-send; a sender that
-// does not stage sends the same pieces straight from its buffer. Each piece of a recv is
-// queued to be copied in as soon as it has landed (the copy waits on the GPU for the stream to
-// reach the recv). The caller's CPU waits for the last to land: a stream that waited for
-// bytes still on the network would wait for this process's progress thread (CudaOp.h).
+// (HostStaging), in pieces so that copies and the network overlap. The caller's thread queues
+// those copies (CallerStaging), so this channel makes no CUDA call for them: a send's copies
+// out at its post, in pieces of the sender's size, each followed by a stream write of a flag
+// word read here, and each piece UCX moves goes once the bytes it spans are out. The receiver
+// chooses those pieces and tells the sender with its clear-to-send. A recv's copies in are
+// queued by its wait(), each behind a stream wait on a flag word that the receive lane raises
+// as the pieces land in order (markLanded). A CUDA recv from any source learns only here
+// whether it is staged: its copies in are queued here as its pieces land.
 class UcxChannel final : public Channel {
  public:
   // `pieceBytes`: size of the pieces of a staged recv (SMFREE_HOST_STAGING_PIECE_BYTES); 0 for
@@ -57,6 +57,9 @@ class UcxChannel final : public Channel {
   uint64_t hostStagedSends() const { return hostStagedSends_; }
   uint64_t hostStagedRecvs() const { return hostStagedRecvs_; }
   uint64_t hostStagingCachedBytes() const { return staging_.cachedBytes(); }
+  HostStaging& staging() { return staging_; }
+  // Whether CUDA buffers to or from `peer` go through host memory; decided, and logged, once.
+  bool stagesCudaToward(Peer& peer);
 
  private:
   struct Movement;
@@ -84,8 +87,11 @@ class UcxChannel final : public Channel {
   bool copyInLandedPieces(Movement& movement);
   bool countCopiedInPieces(Movement& movement);
   bool countCopiedOut(Movement& movement);
+  // A failed caller-staged recv whose copies in its caller queued: lets them run.
+  void releaseParkedCopies(Movement& movement);
+  // Receive lane's thread: a caller-staged recv's piece has landed.
+  void markLanded(Movement& movement, uint32_t piece);
   void postPiece(Movement& movement, uint32_t piece);
-  void copyOut(Movement& movement);
   bool ended(const Movement& movement) const;
   void enqueue(const Completion& completion, bool wakeEngine);
   bool applyCompletions();
