@@ -125,6 +125,11 @@ Engine::~Engine() {
     complete(op, Status::failure(StatusCode::kAborted,
                                  concat(op->describe(), " failed: the smfree engine shut down")));
   }
+  for (const std::shared_ptr<Op>& op : heldOps_) {
+    complete(op, Status::failure(StatusCode::kAborted,
+                                 concat(op->describe(), " failed: the smfree engine shut down")));
+  }
+  heldOps_.clear();
   live_.clear();
   groups_.clear();
   peers_.clear();
