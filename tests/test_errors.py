@@ -120,12 +120,16 @@ def test_unmatched_op_times_out_naming_op_peer_tag_bytes():
 def _late_partner(rank, world):
     # Rank 0's send times out; rank 1 posts its recv only afterwards and must not get the
     # abandoned data silently, nor shift later messages.
+    dist.barrier()  # the barriers' Gloo group connects here, with both ranks present
     if rank == 0:
         with pytest.raises(dist.DistBackendError, match="was not matched by a recv"):
             dist.send(torch.full((4,), 1.0), 1)
         dist.barrier()
         dist.send(torch.full((4,), 2.0), 1)
         return None
+    # The barrier has the group timeout too, which rank 0's send takes to expire: entering it
+    # later keeps the two from racing.
+    time.sleep(1.0)
     dist.barrier()
     with pytest.raises(dist.DistBackendError, match="the matching send gave up") as raised:
         dist.recv(torch.empty(4), 0)
