@@ -190,24 +190,22 @@ void Engine::submit(std::function<void()> command) {
 }
 
 std::optional<std::string> Engine::failureOf(const std::string& processKey) {
-  if (!anyFailure_.load(std::memory_order_acquire)) {
-    return std::nullopt;
-  }
-  std::lock_guard<std::mutex> lock(failuresMutex_);
-  auto it = failures_.find(processKey);
-  if (it == failures_.end()) {
-    return std::nullopt;
-  }
-  return it->second;
+  return recordedFailure(failures_, processKey);
 }
 
 std::optional<std::string> Engine::failureAfterWait(uint64_t groupId) {
+  return recordedFailure(failedAfterWait_, groupId);
+}
+
+template <typename Key>
+std::optional<std::string> Engine::recordedFailure(
+    const std::unordered_map<Key, std::string>& failures, const Key& key) {
   if (!anyFailure_.load(std::memory_order_acquire)) {
     return std::nullopt;
   }
   std::lock_guard<std::mutex> lock(failuresMutex_);
-  auto it = failedAfterWait_.find(groupId);
-  if (it == failedAfterWait_.end()) {
+  auto it = failures.find(key);
+  if (it == failures.end()) {
     return std::nullopt;
   }
   return it->second;

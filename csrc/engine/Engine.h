@@ -77,6 +77,10 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::optional<std::string> failureOf(const std::string& processKey);
   // Why the group's calls are refused: a recv of it failed after its wait() had returned.
   std::optional<std::string> failureAfterWait(uint64_t groupId);
+  // An entry of `failures` (failures_ or failedAfterWait_), under failuresMutex_.
+  template <typename Key>
+  std::optional<std::string> recordedFailure(
+      const std::unordered_map<Key, std::string>& failures, const Key& key);
   uint64_t nextOpId() { return nextOpId_.fetch_add(1); }
   // On the caller's thread: a CUDA op's flags and events, and what its stream signals at
   // posting (a recv's `ready` write, a send's `produced` record).
