@@ -619,23 +619,29 @@ def _peer_dies(rank, world, numel, staged):
     started = time.monotonic()
     torch.cuda.synchronize()  # returns once the sender's death released the stream
     waited = time.monotonic() - started
-    try:
-        work.wait()
-        error = None
-    except dist.DistBackendError as failure:
-        error = str(failure)
+    errors = []
+    for call in (work.wait, lambda: dist.irecv(torch.zeros(4, device=dev))):  # any source
+        try:
+            call()
+            errors.append(None)
+        except dist.DistBackendError as failure:
+            errors.append(str(failure))
     staged_recvs = dist.group.WORLD._get_backend(dev)._stats()["staged_recvs"]
-    return waited, marker.item(), error, staged_recvs
+    return waited, marker.item(), errors, staged_recvs
 
 
 @copy_engine_only
 @pytest.mark.parametrize("numel,staged", [(1 << 24, False), (1 << 22, True)],
                          ids=["direct-64MiB", "staged-16MiB"])
 def test_dead_peer_leaves_no_stream_parked(numel, staged):
-    waited, marker, error, staged_recvs = run_ranks(
+    waited, marker, (error, refusal), staged_recvs = run_ranks(
         _peer_dies, 2, numel, staged, cuda=True, group_timeout_s=60, expect_exit=(1,))[0]
     assert waited < 30 and marker == 1.0
     assert error and "its peer process" in error
+    # Its wait() had returned, so the tensor's wrong bytes refuse the group's next call.
+    assert refusal and "smfree: recv on rank 0 from any rank" in refusal, refusal
+    assert "failed after its wait() returned, so its tensor holds wrong bytes" in refusal, refusal
+    assert "its peer process" in refusal, refusal
     assert staged_recvs == (1 if staged else 0)
 
 

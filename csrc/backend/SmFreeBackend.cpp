@@ -160,8 +160,8 @@ SmFreeBackend::PreparedOp SmFreeBackend::prepare(engine::OpKind kind,
   // swapping its `.data`, which would hand the bytes back to the allocator mid-transfer.
   request.keepalive = std::make_shared<c10::Storage>(tensor.storage());
   request.onComplete = [work, batch, cpuWaited](const engine::Status& status, int source) {
-    work->onOpDone(status, source, cpuWaited);
-    if (batch) batch->onOpDone(status, source, cpuWaited);
+    work->onOpDone(status, source, cpuWaited, work->label());
+    if (batch) batch->onOpDone(status, source, cpuWaited, work->label());
   };
   if (peer == engine::kAnySource) {
     // wait() on a CUDA recv may return before the recv ends; its source is known by then.
@@ -225,9 +225,9 @@ c10::intrusive_ptr<c10d::Work> SmFreeBackend::endCoalescing() {
           engine::StatusCode::kAborted, c10::str("smfree: not posted: ", error.what()));
       for (size_t j = i; j < batch.ops.size(); ++j) {
         PreparedOp& op = batch.ops[j];
-        op.work->onOpDone(failure, -1, op.cpuWaited);
+        op.work->onOpDone(failure, -1, op.cpuWaited, op.work->label());
         op.work->seal();
-        batch.work->onOpDone(failure, -1, op.cpuWaited);
+        batch.work->onOpDone(failure, -1, op.cpuWaited, op.work->label());
       }
       batch.work->seal();
       throw;

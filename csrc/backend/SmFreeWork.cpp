@@ -47,7 +47,8 @@ void SmFreeWork::seal() {
   completeIfDone(lock);
 }
 
-void SmFreeWork::onOpDone(const engine::Status& status, int source, bool cpuWaited) {
+void SmFreeWork::onOpDone(const engine::Status& status, int source, bool cpuWaited,
+                          const WorkLabel& op) {
   std::unique_lock<std::mutex> lock(stateMutex_);
   --pending_;
   if (cpuWaited && --cpuPending_ == 0 && pending_ > 0) done_.notify_all();
@@ -56,6 +57,15 @@ void SmFreeWork::onOpDone(const engine::Status& status, int source, bool cpuWait
   }
   if (!status.ok() && !error_) {
     error_ = makeOpError(status);
+  }
+  if (!status.ok() && waitReturned_) {
+    // Only ops with a stream fence let wait() return early, so fences_ names the group. Before
+    // the Work completes, so a caller that sees it completed is refused too.
+    const bool isSend = op.kind == engine::OpKind::kSend;
+    fences_.front().group->recordFailureAfterWait(
+        c10::str(op.describe(), " failed after its wait() returned, so ",
+                 isSend ? "its receiver did not get its bytes" : "its tensor holds wrong bytes",
+                 ": ", status.message));
   }
   completeIfDone(lock);
 }
@@ -135,9 +145,9 @@ bool SmFreeWork::wait(std::chrono::milliseconds timeout) {
   }
   // A CUDA op makes the current stream wait for its copy, as with NCCL, and the CPU waits only
   // until that copy is submitted: on the copy engines once the partner has posted, through
-  // pinned host memory (UCX over TCP) once a send is cleared or a recv's bytes have landed.
-  // Other CUDA ops over UCX set `queued` only when they end, and CPU tensors are waited for on
-  // the CPU: UCX is not stream-aware. A timeout makes the CPU wait for the end.
+  // pinned host memory (UCX over TCP) once a send is cleared or a recv's copies in may be
+  // queued. Other CUDA ops over UCX set `queued` only when they end, and CPU tensors are
+  // waited for on the CPU: UCX is not stream-aware. A timeout makes the CPU wait for the end.
   try {
     if (timeout != kNoTimeout) {
       parkStagedRecvs(fences);
@@ -166,6 +176,13 @@ bool SmFreeWork::wait(std::chrono::milliseconds timeout) {
       C10_THROW_ERROR(DistBackendError, error.what());
     }
   }
+  // Under the lock that onOpDone takes: a failure is either raised here or recorded for the
+  // next call, never both and never neither.
+  std::lock_guard<std::mutex> lock(stateMutex_);
+  if (error_) {
+    std::rethrow_exception(error_);
+  }
+  waitReturned_ = !finished_;
   return true;
 }
 

@@ -41,7 +41,9 @@ class SmFreeWork final : public c10d::Work {
   // wait()).
   void addStreamFence(std::shared_ptr<engine::Group> group, int device, engine::CudaFence fence);
   void seal();      // no more ops will be added (an op's own Work: it is posted)
-  void onOpDone(const engine::Status& status, int source, bool cpuWaited);
+  // `op`: the label of the op's own Work, which names it in errors.
+  void onOpDone(const engine::Status& status, int source, bool cpuWaited, const WorkLabel& op);
+  const WorkLabel& label() const { return label_; }
   // A recv from any source has matched `source`'s send, before wait() can return.
   void onMatched(int source);
 
@@ -79,6 +81,9 @@ class SmFreeWork final : public c10d::Work {
   int cpuPending_ = 0;  // of pending_, those without a stream fence
   bool sealed_ = false;
   bool finished_ = false;
+  // wait() returned true before every op ended (a CUDA op's stream fence): a later failure
+  // refuses the group's next call instead.
+  bool waitReturned_ = false;
   std::exception_ptr error_;
   int source_ = -1;
   std::vector<StreamFence> fences_;

@@ -197,6 +197,12 @@ std::optional<std::string> Engine::failureAfterWait(uint64_t groupId) {
   return recordedFailure(failedAfterWait_, groupId);
 }
 
+void Engine::recordFailureAfterWait(uint64_t groupId, std::string why) {
+  std::lock_guard<std::mutex> lock(failuresMutex_);
+  failedAfterWait_.try_emplace(groupId, std::move(why));
+  anyFailure_.store(true, std::memory_order_release);
+}
+
 template <typename Key>
 std::optional<std::string> Engine::recordedFailure(
     const std::unordered_map<Key, std::string>& failures, const Key& key) {
@@ -853,16 +859,6 @@ void Engine::complete(const std::shared_ptr<Op>& op, const Status& status) {
     return;
   }
   op->phase = Op::Phase::kDone;
-  if (!status.ok() && !op->isSend() && op->ucxCuda && op->ucxCuda->staging &&
-      op->ucxCuda->staging->park.load() == CallerStaging::kParked) {
-    // Its wait() may have returned, and its stream copies in whatever host memory holds: the
-    // caller hears of it at its next call on the group.
-    std::lock_guard<std::mutex> lock(failuresMutex_);
-    failedAfterWait_.try_emplace(op->groupId, concat(op->describe(), " failed after its "
-                                                     "wait() returned, so its tensor holds "
-                                                     "wrong bytes: ", status.message));
-    anyFailure_.store(true, std::memory_order_release);
-  }
   OpCallback callback = std::move(op->request.onComplete);
   op->request.onComplete = nullptr;
   if (callback) {

@@ -75,8 +75,10 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // (staged UCX ops, UcxCudaState) to finish their copies: of one group, or of all.
   void awaitReleasedOps(std::optional<uint64_t> groupId, Clock::time_point deadline);
   std::optional<std::string> failureOf(const std::string& processKey);
-  // Why the group's calls are refused: a recv of it failed after its wait() had returned.
+  // Why the group's calls are refused: an op of it failed after its wait() had returned.
   std::optional<std::string> failureAfterWait(uint64_t groupId);
+  // The first such failure of the group is kept; later ones add nothing the caller can act on.
+  void recordFailureAfterWait(uint64_t groupId, std::string why);
   // An entry of `failures` (failures_ or failedAfterWait_), under failuresMutex_.
   template <typename Key>
   std::optional<std::string> recordedFailure(

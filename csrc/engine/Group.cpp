@@ -130,6 +130,10 @@ bool Group::queueCopiesInOnceMatched(const CudaFence& fence) {
 
 std::optional<std::string> Group::failureAfterWait() { return engine_->failureAfterWait(id_); }
 
+void Group::recordFailureAfterWait(std::string why) {
+  engine_->recordFailureAfterWait(id_, std::move(why));
+}
+
 void Group::waitOnStream(void* stream, int device, const CudaFence& fence) {
   engine_->waitOnStream(stream, device, fence);
 }

@@ -44,8 +44,10 @@ class Group {
   // Fails every pending op with `reason` and refuses new ones; returns once that is done.
   // Unless `abort`, it first lets the ops whose wait() has returned finish moving.
   void close(StatusCode code, const std::string& reason, bool abort);
-  // Why calls on the group are refused: one of its recvs failed after its wait() returned.
+  // Why calls on the group are refused: one of its ops failed after its wait() returned.
   std::optional<std::string> failureAfterWait();
+  // Records such a failure (the caller's Work knows whether its wait() returned).
+  void recordFailureAfterWait(std::string why);
   // Why `rank`'s process is known dead, if it is.
   std::optional<std::string> peerFailure(int rank);
   std::string dumpPending();
