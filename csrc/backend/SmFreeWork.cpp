@@ -38,6 +38,7 @@ void SmFreeWork::expectOp(bool cpuWaited) {
 void SmFreeWork::addStreamFence(std::shared_ptr<engine::Group> group, int device,
                                 engine::CudaFence fence) {
   std::lock_guard<std::mutex> lock(stateMutex_);
+  TORCH_INTERNAL_ASSERT(!sealed_, "smfree: stream fence added to a sealed Work");
   fences_.push_back(StreamFence{std::move(group), device, fence});
 }
 
@@ -92,15 +93,13 @@ void SmFreeWork::completeIfDone(std::unique_lock<std::mutex>& lock) {
 }
 
 bool SmFreeWork::isCompleted() {
-  std::vector<StreamFence> fences;
   {
     std::lock_guard<std::mutex> lock(stateMutex_);
     if (finished_ || !sealed_) return finished_;
-    fences = fences_;
   }
   // A caller-staged recv ends only once its copies in are queued, which a poll does too.
-  for (const StreamFence& fence : fences) {
-    if (!fence.fence.park) continue;
+  for (const StreamFence& fence : fences_) {
+    if (!fence.fence.stagedRecv) continue;
     try {
       fence.group->queueCopiesInOnceMatched(fence.fence);
     } catch (const engine::Error& error) {
@@ -137,11 +136,9 @@ void SmFreeWork::checkPosted() const {
 }
 
 bool SmFreeWork::wait(std::chrono::milliseconds timeout) {
-  std::vector<StreamFence> fences;
   {
     std::lock_guard<std::mutex> lock(stateMutex_);
     checkPosted();
-    fences = fences_;
   }
   // A CUDA op makes the current stream wait for its copy, as with NCCL, and the CPU waits only
   // until that copy is submitted: on the copy engines once the partner has posted, through
@@ -150,11 +147,11 @@ bool SmFreeWork::wait(std::chrono::milliseconds timeout) {
   // waited for on the CPU: UCX is not stream-aware. A timeout makes the CPU wait for the end.
   try {
     if (timeout != kNoTimeout) {
-      parkStagedRecvs(fences);
+      queueStagedCopiesIn();
       waitFinished(timeout);
     } else {
       waitCpuWaitedOps();
-      for (const StreamFence& fence : fences) fence.group->awaitQueued(fence.fence);
+      for (const StreamFence& fence : fences_) fence.group->awaitQueued(fence.fence);
     }
   } catch (const engine::Error& error) {
     C10_THROW_ERROR(DistBackendError,
@@ -166,7 +163,7 @@ bool SmFreeWork::wait(std::chrono::milliseconds timeout) {
       std::rethrow_exception(error_);
     }
   }
-  for (const StreamFence& fence : fences) {
+  for (const StreamFence& fence : fences_) {
     const c10::Device device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(fence.device));
     const c10::Stream current =
         c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(device);
@@ -197,10 +194,10 @@ void SmFreeWork::waitFinished(std::chrono::milliseconds timeout) {
   }
 }
 
-void SmFreeWork::parkStagedRecvs(const std::vector<StreamFence>& fences) {
+void SmFreeWork::queueStagedCopiesIn() {
   // Their copies in are queued by a wait(): without one they would never end.
-  for (const StreamFence& fence : fences) {
-    if (fence.fence.park) fence.group->awaitQueued(fence.fence);
+  for (const StreamFence& fence : fences_) {
+    if (fence.fence.stagedRecv) fence.group->awaitQueued(fence.fence);
   }
 }
 
@@ -211,14 +208,12 @@ void SmFreeWork::waitCpuWaitedOps() {
 }
 
 void SmFreeWork::synchronize() {
-  std::vector<StreamFence> fences;
   {
     std::lock_guard<std::mutex> lock(stateMutex_);
     checkPosted();
-    fences = fences_;
   }
   try {
-    parkStagedRecvs(fences);
+    queueStagedCopiesIn();
   } catch (const engine::Error& error) {
     C10_THROW_ERROR(DistBackendError,
                     c10::str("smfree: synchronize() on ", label_.describe(), ": ", error.what()));

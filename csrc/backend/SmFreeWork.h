@@ -68,8 +68,8 @@ class SmFreeWork final : public c10d::Work {
     int device;
     engine::CudaFence fence;
   };
-  // Queues the copies in of the caller-staged recvs among `fences` (engine::CallerStaging).
-  static void parkStagedRecvs(const std::vector<StreamFence>& fences);
+  // Queues the copies in of the caller-staged recvs among fences_ (engine::CallerStaging).
+  void queueStagedCopiesIn();
 
   const WorkLabel label_;
   const std::vector<at::Tensor> tensors_;
@@ -86,6 +86,8 @@ class SmFreeWork final : public c10d::Work {
   bool waitReturned_ = false;
   std::exception_ptr error_;
   int source_ = -1;
+  // Added while posting, under stateMutex_; read without it once sealed_, when it no longer
+  // changes.
   std::vector<StreamFence> fences_;
 };
 

@@ -15,7 +15,7 @@ namespace smfree::engine {
 //
 // The rule that keeps streams from deadlocking: no stream waits for work that has not been
 // submitted to the GPU yet. Streams of one process share hardware queues
-// (CUDA_DEVICE_MAX_CONNECTIONS), so a wait parked ahead of a later-submitted copy in the
+// (CUDA_DEVICE_MAX_CONNECTIONS), so a wait queued ahead of a later-submitted copy in the
 // same queue holds that copy back for good. Hence `queued`: the user's stream waits for the
 // copy only once `queued` says the copy has been submitted. The one exception, a staged recv
 // matched with a promised send (CallerStaging), waits for bytes on the network, and only for
@@ -59,7 +59,9 @@ struct CallerStaging {
   cuda::Flag progress;
   cuda::Flag copiedIn;  // recv: written by the DMA stream after the last copy in
   std::atomic<int> matched{0};  // recv: kUnmatched, kMatchedPromised or kMatchedUnpromised
-  std::atomic<int> park{0};     // recv: kNotParked, kParked or kFailedFirst
+  // Recv: who queues the copies in. A caller's thread claims it (kByCaller) once the match
+  // allows; a failure that comes first claims it (kNever) so that no copy is queued.
+  std::atomic<int> copiesIn{0};  // kCopiesInOpen, kCopiesInByCaller or kCopiesInNever
   std::shared_ptr<cuda::Event> reached;
   std::shared_ptr<cuda::Event> copied;
   cuda::Flag queued;
@@ -69,9 +71,9 @@ struct CallerStaging {
   static constexpr int kUnmatched = 0;
   static constexpr int kMatchedPromised = 1;
   static constexpr int kMatchedUnpromised = 2;
-  static constexpr int kNotParked = 0;
-  static constexpr int kParked = 1;
-  static constexpr int kFailedFirst = 2;
+  static constexpr int kCopiesInOpen = 0;
+  static constexpr int kCopiesInByCaller = 1;
+  static constexpr int kCopiesInNever = 2;
   cuda::Flag lastPiece() const { return progress.plus(pieces - 1); }
 };
 
@@ -107,7 +109,7 @@ struct CudaFence {
   cuda::Flag queued;
   cuda::Flag done;
   std::shared_ptr<cuda::Event> copied;
-  std::shared_ptr<CallerStaging> park;  // a staged recv: its wait() queues its copies in
+  std::shared_ptr<CallerStaging> stagedRecv;  // its wait() queues its copies in
 };
 
 }  // namespace smfree::engine

@@ -41,6 +41,26 @@ int64_t millisSince(Clock::time_point then, Clock::time_point now) {
   return std::chrono::duration_cast<std::chrono::milliseconds>(now - then).count();
 }
 
+// A caller's thread waiting for what another thread or process will do soon: it yields for
+// `spin`, then naps up to 20 µs, so a wait of microseconds costs no sleep's latency and a
+// long one no core.
+template <typename Done>
+void pollUntil(Done done, std::chrono::microseconds spin, Clock::time_point deadline,
+               const char* late) {
+  const auto spinUntil = Clock::now() + spin;
+  auto nap = std::chrono::microseconds(5);
+  while (!done()) {
+    const auto now = Clock::now();
+    if (now >= deadline) fail(late);
+    if (now < spinUntil) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(nap);
+      nap = std::min(nap * 2, std::chrono::microseconds(20));
+    }
+  }
+}
+
 std::string crossHostCuda(const Op& op, const Peer& peer) {
   return concat(op.describe(), " failed: rank ", op.partner(), " (", peer.describe(),
                 ") is on another host, out of reach of the copy engines "
@@ -120,12 +140,11 @@ Engine::Engine(Private)
 
 Engine::~Engine() {
   stopProgressThread();
-  // The progress thread is gone: finish what is left from here.
-  for (auto& [id, op] : std::unordered_map<uint64_t, std::shared_ptr<Op>>(live_)) {
-    complete(op, Status::failure(StatusCode::kAborted,
-                                 concat(op->describe(), " failed: the smfree engine shut down")));
-  }
-  for (const std::shared_ptr<Op>& op : heldOps_) {
+  // The progress thread is gone: finish what is left from here, held ops too.
+  std::vector<std::shared_ptr<Op>> left;
+  for (const auto& [id, op] : live_) left.push_back(op);
+  left.insert(left.end(), heldOps_.begin(), heldOps_.end());
+  for (const std::shared_ptr<Op>& op : left) {
     complete(op, Status::failure(StatusCode::kAborted,
                                  concat(op->describe(), " failed: the smfree engine shut down")));
   }
@@ -1014,7 +1033,7 @@ CudaFence Engine::prepareUcxCuda(Op& op, std::chrono::milliseconds timeout, bool
   }
   op.streamReady = ready;
   CudaFence fence{op.ucxCuda->queued, {}, op.ucxCuda->copied, nullptr};
-  if (!op.isSend()) fence.park = op.ucxCuda->staging;
+  if (!op.isSend()) fence.stagedRecv = op.ucxCuda->staging;
   return fence;
 }
 
@@ -1057,8 +1076,8 @@ bool Engine::queueCopiesInOnceMatched(CallerStaging& staging) {
       matched == CallerStaging::kMatchedPromised ||
       (matched == CallerStaging::kMatchedUnpromised && flags_->isSet(staging.lastPiece()));
   if (!mayQueue) return false;
-  int state = CallerStaging::kNotParked;
-  if (!staging.park.compare_exchange_strong(state, CallerStaging::kParked)) {
+  int state = CallerStaging::kCopiesInOpen;
+  if (!staging.copiesIn.compare_exchange_strong(state, CallerStaging::kCopiesInByCaller)) {
     return false;  // another thread queues them, or the recv failed: `queued` follows
   }
   try {
@@ -1073,38 +1092,16 @@ bool Engine::queueCopiesInOnceMatched(CallerStaging& staging) {
   return true;
 }
 
-void Engine::park(CallerStaging& staging, Clock::time_point deadline) {
-  const auto spinUntil = Clock::now() + config_.spin;
-  auto nap = std::chrono::microseconds(5);
-  while (!queueCopiesInOnceMatched(staging)) {
-    const auto now = Clock::now();
-    if (now >= deadline) fail("the recv did not match, or its bytes did not land, in time");
-    if (now < spinUntil) {
-      std::this_thread::yield();
-    } else {
-      std::this_thread::sleep_for(nap);
-      nap = std::min(nap * 2, std::chrono::microseconds(20));
-    }
-  }
+void Engine::awaitCopiesInQueued(CallerStaging& staging, Clock::time_point deadline) {
+  pollUntil([&] { return queueCopiesInOnceMatched(staging); }, config_.spin, deadline,
+            "the recv did not match, or its bytes did not land, in time");
 }
 
 void Engine::awaitQueued(const cuda::Flag& queued, Clock::time_point deadline) {
   // Short: the partner has usually posted already. The op's own timeout sets `queued`
   // before `deadline` comes.
-  const auto spinUntil = Clock::now() + config_.spin;
-  auto nap = std::chrono::microseconds(5);
-  while (!flags_->isSet(queued)) {
-    const auto now = Clock::now();
-    if (now >= deadline) {
-      fail("the partner's copy was not submitted before the deadline");
-    }
-    if (now < spinUntil) {
-      std::this_thread::yield();
-    } else {
-      std::this_thread::sleep_for(nap);
-      nap = std::min(nap * 2, std::chrono::microseconds(20));
-    }
-  }
+  pollUntil([&] { return flags_->isSet(queued); }, config_.spin, deadline,
+            "the partner's copy was not submitted before the deadline");
 }
 
 void Engine::waitOnStream(void* stream, int device, const CudaFence& fence) {

@@ -98,7 +98,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // is set (also by a failure).
   bool queueCopiesInOnceMatched(CallerStaging& staging);
   // The same, blocking until it can (a recv's wait()).
-  void park(CallerStaging& staging, Clock::time_point deadline);
+  void awaitCopiesInQueued(CallerStaging& staging, Clock::time_point deadline);
   // Queues the write of `flag` on the op's stream (the caller's), in its device's context.
   void writeFromStream(const Op& op, const cuda::Flag& flag);
   // Bounds the CUDA ops in flight (flag words, tensors held), blocking the caller before it

@@ -117,15 +117,15 @@ bool Group::onCopyEngine(int peer) const {
 void Group::awaitQueued(const CudaFence& fence) {
   // The op's own timeout sets `queued` first; the margin only guards against a stuck engine.
   const auto deadline = Clock::now() + timeout() + kQueuedMargin;
-  if (fence.park) {
-    engine_->park(*fence.park, deadline);
+  if (fence.stagedRecv) {
+    engine_->awaitCopiesInQueued(*fence.stagedRecv, deadline);
   } else {
     engine_->awaitQueued(fence.queued, deadline);
   }
 }
 
 bool Group::queueCopiesInOnceMatched(const CudaFence& fence) {
-  return engine_->queueCopiesInOnceMatched(*fence.park);
+  return engine_->queueCopiesInOnceMatched(*fence.stagedRecv);
 }
 
 std::optional<std::string> Group::failureAfterWait() { return engine_->failureAfterWait(id_); }

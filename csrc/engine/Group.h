@@ -36,7 +36,7 @@ class Group {
   // Returns once the partner has posted and the copy is submitted, or the op failed; throws
   // if neither happens within the group timeout.
   void awaitQueued(const CudaFence& fence);
-  // A caller-staged recv (CudaFence::park): queues its copies in if its match allows that
+  // A caller-staged recv (CudaFence::stagedRecv): queues its copies in if its match allows that
   // now, without blocking; true once they are queued or it failed.
   bool queueCopiesInOnceMatched(const CudaFence& fence);
   // Makes `stream` wait for the copy on the GPU; call only after awaitQueued.

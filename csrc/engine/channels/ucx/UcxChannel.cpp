@@ -88,7 +88,7 @@ struct UcxChannel::Movement {
   bool copyPending(const cuda::FlagSegment& flags) const {
     if (callerStaging) {
       if (isSend()) return !flags.isSet(callerStaging->lastPiece());
-      return callerStaging->park.load() == CallerStaging::kParked &&
+      return callerStaging->copiesIn.load() == CallerStaging::kCopiesInByCaller &&
              !flags.isSet(callerStaging->copiedIn);
     }
     for (size_t i = 0; i < pieces.size(); ++i) {
@@ -334,7 +334,7 @@ bool UcxChannel::advance(Movement& movement) {
   if (movement.failure) {
     if (movement.cancelled) return false;
     movement.cancelled = true;
-    releaseParkedCopies(movement);
+    releaseWaitingCopiesIn(movement);
     for (void* request : movement.requests) ucp_request_cancel(workerOf(movement), request);
     return true;
   }
@@ -351,11 +351,11 @@ bool UcxChannel::advance(Movement& movement) {
   return countCopiedInPieces(movement) || copying;
 }
 
-void UcxChannel::releaseParkedCopies(Movement& movement) {
+void UcxChannel::releaseWaitingCopiesIn(Movement& movement) {
   if (!movement.callerStaging || movement.isSend()) return;
   CallerStaging& staging = *movement.callerStaging;
-  int state = CallerStaging::kNotParked;
-  if (staging.park.compare_exchange_strong(state, CallerStaging::kFailedFirst)) return;
+  int state = CallerStaging::kCopiesInOpen;
+  if (staging.copiesIn.compare_exchange_strong(state, CallerStaging::kCopiesInNever)) return;
   // Its caller's stream waits for pieces that will not land now: let the copies run over
   // what is there, so the stream goes on; the op reports the failure.
   flags_.set(staging.lastPiece());
@@ -450,7 +450,7 @@ bool UcxChannel::busy() const {
       // Words that streams write, polled: a send's copies out, a recv's copies in once its
       // wait() has queued them.
       if (movement->isSend() ? movement->copiedOut < staging->bytes
-                             : staging->park.load() == CallerStaging::kParked) {
+                             : staging->copiesIn.load() == CallerStaging::kCopiesInByCaller) {
         return true;
       }
     }

@@ -88,7 +88,7 @@ class UcxChannel final : public Channel {
   bool countCopiedInPieces(Movement& movement);
   bool countCopiedOut(Movement& movement);
   // A failed caller-staged recv whose copies in its caller queued: lets them run.
-  void releaseParkedCopies(Movement& movement);
+  void releaseWaitingCopiesIn(Movement& movement);
   // Receive lane's thread: a caller-staged recv's piece has landed.
   void markLanded(Movement& movement, uint32_t piece);
   void postPiece(Movement& movement, uint32_t piece);
