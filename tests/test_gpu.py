@@ -1,7 +1,9 @@
 """Same-host CUDA point-to-point on the copy engines. Needs at least 2 GPUs (marked gpu)."""
 
+import datetime
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -232,6 +234,38 @@ def _recv_polled_until_done(rank, world, numel):
 def test_recv_polled_with_is_completed_ends_without_wait():
     # Staged through host memory, the recv's copies in are queued by the poll.
     assert run_ranks(_recv_polled_until_done, 2, (16 << 20) // 4 + 3, cuda=True)[1]
+
+
+def _recv_waited_with_a_timeout(rank, world, numel):
+    dev = torch.device("cuda", rank)
+    if rank == 0:
+        dist.barrier()  # the partner's wait(timeout) has expired: send only now
+        dist.send(_numbered(5, numel, dev), 1)
+        torch.cuda.synchronize()
+        return None
+    buf = torch.full((numel,), -1, dtype=torch.int32, device=dev)
+    work = dist.irecv(buf, 0)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError) as expired:
+        work.wait(timeout=datetime.timedelta(milliseconds=200))
+    waited = time.monotonic() - started
+    dist.barrier()
+    work.wait()
+    after = buf.clone()  # stream-ordered after the recv
+    torch.cuda.synchronize()
+    return str(expired.value), waited, torch.equal(after, _numbered(5, numel, dev))
+
+
+def test_recv_wait_with_a_timeout_expires_then_the_recv_completes():
+    # Staged through host memory, the recv's wait() queues its copies in once it matches: with a
+    # timeout it must give up at the timeout, not at the group's (30 s), and leave the recv
+    # pending for a later wait().
+    expired, waited, received = run_ranks(
+        _recv_waited_with_a_timeout, 2, (16 << 20) // 4 + 3, cuda=True)[1]
+    assert re.search(r"wait\(timeout=200 ms\) expired; recv on rank 1 from rank 0 .* is still "
+                     r"pending", expired), expired
+    assert waited < 10, f"wait(timeout=200 ms) held the CPU for {waited:.1f} s"
+    assert received, "the recv did not complete after its timed wait() expired"
 
 
 def _any_source_into_cuda(rank, world):

@@ -147,8 +147,9 @@ bool SmFreeWork::wait(std::chrono::milliseconds timeout) {
   // waited for on the CPU: UCX is not stream-aware. A timeout makes the CPU wait for the end.
   try {
     if (timeout != kNoTimeout) {
-      queueStagedCopiesIn();
-      waitFinished(timeout);
+      const auto until = std::chrono::steady_clock::now() + timeout;
+      queueStagedCopiesInBy(until, timeout);
+      waitFinishedBy(until, timeout);
     } else {
       waitCpuWaitedOps();
       for (const StreamFence& fence : fences_) fence.group->awaitQueued(fence.fence);
@@ -183,21 +184,36 @@ bool SmFreeWork::wait(std::chrono::milliseconds timeout) {
   return true;
 }
 
-void SmFreeWork::waitFinished(std::chrono::milliseconds timeout) {
+void SmFreeWork::waitFinished() {
   std::unique_lock<std::mutex> lock(stateMutex_);
-  if (timeout == kNoTimeout) {
-    // Ops carry the group timeout, so this wait ends.
-    done_.wait(lock, [this] { return finished_; });
-  } else if (!done_.wait_for(lock, timeout, [this] { return finished_; })) {
-    throwTimeout(c10::str("smfree: wait(timeout=", timeout.count(), " ms) expired; ",
-                          label_.describe(), " is still pending"));
-  }
+  // Ops carry the group timeout, so this wait ends.
+  done_.wait(lock, [this] { return finished_; });
+}
+
+void SmFreeWork::waitFinishedBy(std::chrono::steady_clock::time_point until,
+                                std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(stateMutex_);
+  if (!done_.wait_until(lock, until, [this] { return finished_; })) throwExpired(timeout);
+}
+
+void SmFreeWork::throwExpired(std::chrono::milliseconds timeout) const {
+  throwTimeout(c10::str("smfree: wait(timeout=", timeout.count(), " ms) expired; ",
+                        label_.describe(), " is still pending"));
 }
 
 void SmFreeWork::queueStagedCopiesIn() {
   // Their copies in are queued by a wait(): without one they would never end.
   for (const StreamFence& fence : fences_) {
     if (fence.fence.stagedRecv) fence.group->awaitQueued(fence.fence);
+  }
+}
+
+void SmFreeWork::queueStagedCopiesInBy(std::chrono::steady_clock::time_point until,
+                                       std::chrono::milliseconds timeout) {
+  for (const StreamFence& fence : fences_) {
+    if (fence.fence.stagedRecv && !fence.group->queueCopiesInBy(fence.fence, until)) {
+      throwExpired(timeout);  // still pending: a later wait() queues them
+    }
   }
 }
 
@@ -218,7 +234,7 @@ void SmFreeWork::synchronize() {
     C10_THROW_ERROR(DistBackendError,
                     c10::str("smfree: synchronize() on ", label_.describe(), ": ", error.what()));
   }
-  waitFinished(kNoTimeout);
+  waitFinished();
   std::lock_guard<std::mutex> lock(stateMutex_);
   if (error_) {
     std::rethrow_exception(error_);

@@ -60,7 +60,11 @@ class SmFreeWork final : public c10d::Work {
   void completeIfDone(std::unique_lock<std::mutex>& lock);
   // Throws for an op of a coalescing block that has not ended. Under stateMutex_.
   void checkPosted() const;
-  void waitFinished(std::chrono::milliseconds timeout);
+  void waitFinished();
+  // Throws the expiry of wait(timeout) if the Work has not finished by `until`.
+  void waitFinishedBy(std::chrono::steady_clock::time_point until,
+                      std::chrono::milliseconds timeout);
+  [[noreturn]] void throwExpired(std::chrono::milliseconds timeout) const;
   void waitCpuWaitedOps();
 
   struct StreamFence {
@@ -68,8 +72,11 @@ class SmFreeWork final : public c10d::Work {
     int device;
     engine::CudaFence fence;
   };
-  // Queues the copies in of the caller-staged recvs among fences_ (engine::CallerStaging).
+  // Queues the copies in of the caller-staged recvs among fences_ (engine::CallerStaging),
+  // waiting up to the group timeout for their match; the second, only until `until`.
   void queueStagedCopiesIn();
+  void queueStagedCopiesInBy(std::chrono::steady_clock::time_point until,
+                             std::chrono::milliseconds timeout);
 
   const WorkLabel label_;
   const std::vector<at::Tensor> tensors_;

@@ -44,14 +44,14 @@ int64_t millisSince(Clock::time_point then, Clock::time_point now) {
 // A caller's thread waiting for what another thread or process will do soon: it yields for
 // `spin`, then naps up to 20 µs, so a wait of microseconds costs no sleep's latency and a
 // long one no core.
+// False if `deadline` comes first.
 template <typename Done>
-void pollUntil(Done done, std::chrono::microseconds spin, Clock::time_point deadline,
-               const char* late) {
+bool pollUntil(Done done, std::chrono::microseconds spin, Clock::time_point deadline) {
   const auto spinUntil = Clock::now() + spin;
   auto nap = std::chrono::microseconds(5);
   while (!done()) {
     const auto now = Clock::now();
-    if (now >= deadline) fail(late);
+    if (now >= deadline) return false;
     if (now < spinUntil) {
       std::this_thread::yield();
     } else {
@@ -59,6 +59,7 @@ void pollUntil(Done done, std::chrono::microseconds spin, Clock::time_point dead
       nap = std::min(nap * 2, std::chrono::microseconds(20));
     }
   }
+  return true;
 }
 
 std::string crossHostCuda(const Op& op, const Peer& peer) {
@@ -1092,16 +1093,16 @@ bool Engine::queueCopiesInOnceMatched(CallerStaging& staging) {
   return true;
 }
 
-void Engine::awaitCopiesInQueued(CallerStaging& staging, Clock::time_point deadline) {
-  pollUntil([&] { return queueCopiesInOnceMatched(staging); }, config_.spin, deadline,
-            "the recv did not match, or its bytes did not land, in time");
+bool Engine::queueCopiesInBy(CallerStaging& staging, Clock::time_point deadline) {
+  return pollUntil([&] { return queueCopiesInOnceMatched(staging); }, config_.spin, deadline);
 }
 
 void Engine::awaitQueued(const cuda::Flag& queued, Clock::time_point deadline) {
   // Short: the partner has usually posted already. The op's own timeout sets `queued`
   // before `deadline` comes.
-  pollUntil([&] { return flags_->isSet(queued); }, config_.spin, deadline,
-            "the partner's copy was not submitted before the deadline");
+  if (!pollUntil([&] { return flags_->isSet(queued); }, config_.spin, deadline)) {
+    fail("the partner's copy was not submitted before the deadline");
+  }
 }
 
 void Engine::waitOnStream(void* stream, int device, const CudaFence& fence) {

@@ -97,8 +97,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // their pieces to land, and sets `queued`, if its match allows that now; true once `queued`
   // is set (also by a failure).
   bool queueCopiesInOnceMatched(CallerStaging& staging);
-  // The same, blocking until it can (a recv's wait()).
-  void awaitCopiesInQueued(CallerStaging& staging, Clock::time_point deadline);
+  // The same, blocking until it can (a recv's wait()); false if `deadline` comes first.
+  bool queueCopiesInBy(CallerStaging& staging, Clock::time_point deadline);
   // Queues the write of `flag` on the op's stream (the caller's), in its device's context.
   void writeFromStream(const Op& op, const cuda::Flag& flag);
   // Bounds the CUDA ops in flight (flag words, tensors held), blocking the caller before it

@@ -114,14 +114,25 @@ bool Group::onCopyEngine(int peer) const {
   return local;
 }
 
-void Group::awaitQueued(const CudaFence& fence) {
+Clock::time_point Group::queuedDeadline() const {
   // The op's own timeout sets `queued` first; the margin only guards against a stuck engine.
-  const auto deadline = Clock::now() + timeout() + kQueuedMargin;
-  if (fence.stagedRecv) {
-    engine_->awaitCopiesInQueued(*fence.stagedRecv, deadline);
-  } else {
+  return Clock::now() + timeout() + kQueuedMargin;
+}
+
+void Group::awaitQueued(const CudaFence& fence) {
+  const auto deadline = queuedDeadline();
+  if (!fence.stagedRecv) {
     engine_->awaitQueued(fence.queued, deadline);
+  } else if (!engine_->queueCopiesInBy(*fence.stagedRecv, deadline)) {
+    fail("the recv did not match, or its bytes did not land, in time");
   }
+}
+
+bool Group::queueCopiesInBy(const CudaFence& fence, Clock::time_point until) {
+  const auto deadline = queuedDeadline();
+  if (engine_->queueCopiesInBy(*fence.stagedRecv, std::min(until, deadline))) return true;
+  if (until < deadline) return false;
+  fail("the recv did not match, or its bytes did not land, in time");
 }
 
 bool Group::queueCopiesInOnceMatched(const CudaFence& fence) {

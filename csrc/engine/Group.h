@@ -39,6 +39,9 @@ class Group {
   // A caller-staged recv (CudaFence::stagedRecv): queues its copies in if its match allows that
   // now, without blocking; true once they are queued or it failed.
   bool queueCopiesInOnceMatched(const CudaFence& fence);
+  // The same, waiting for that until `until` (a wait() with a timeout); false if `until` came
+  // first.
+  bool queueCopiesInBy(const CudaFence& fence, Clock::time_point until);
   // Makes `stream` wait for the copy on the GPU; call only after awaitQueued.
   void waitOnStream(void* stream, int device, const CudaFence& fence);
   // Fails every pending op with `reason` and refuses new ones; returns once that is done.
@@ -58,6 +61,8 @@ class Group {
   // Whether a CUDA op with `peer` (a rank or kAnySource) moves on the copy engines (else over
   // UCX).
   bool onCopyEngine(int peer) const;
+  // How long a caller waits for an op's copy to be queued before it blames a stuck engine.
+  Clock::time_point queuedDeadline() const;
 
   std::shared_ptr<Engine> engine_;
   std::shared_ptr<const GroupConfig> config_;
