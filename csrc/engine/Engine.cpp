@@ -43,8 +43,7 @@ int64_t millisSince(Clock::time_point then, Clock::time_point now) {
 
 // A caller's thread waiting for what another thread or process will do soon: it yields for
 // `spin`, then naps up to 20 µs, so a wait of microseconds costs no sleep's latency and a
-// long one no core.
-// False if `deadline` comes first.
+// long one no core. False if `deadline` comes first.
 template <typename Done>
 bool pollUntil(Done done, std::chrono::microseconds spin, Clock::time_point deadline) {
   const auto spinUntil = Clock::now() + spin;
