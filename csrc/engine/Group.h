@@ -40,7 +40,7 @@ class Group {
   // now, without blocking; true once they are queued or it failed.
   bool queueCopiesInOnceMatched(const CudaFence& fence);
   // The same, waiting for that until `until` (a wait() with a timeout); false if `until` came
-  // first.
+  // first, and throws if the group timeout did.
   bool queueCopiesInBy(const CudaFence& fence, Clock::time_point until);
   // Makes `stream` wait for the copy on the GPU; call only after awaitQueued.
   void waitOnStream(void* stream, int device, const CudaFence& fence);
