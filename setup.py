@@ -5,6 +5,7 @@ time, so the same build runs on machines without a GPU.
 """
 
 import glob
+import importlib.util
 import os
 
 from setuptools import setup
@@ -51,6 +52,27 @@ def sources():
     )
 
 
+def load_linkage():
+    """python/smfree_pg/linkage.py, loaded by path: the package is not on the build's path."""
+    path = os.path.join(ROOT, "python", "smfree_pg", "linkage.py")
+    spec = importlib.util.spec_from_file_location("smfree_linkage", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class Build(BuildExtension.with_options(use_ninja=True)):
+    """Refuses an extension that would crash when it runs (linkage.py says why)."""
+
+    def build_extension(self, ext):
+        super().build_extension(ext)
+        path = self.get_ext_fullpath(ext.name)
+        problem = load_linkage().static_libstdcxx_problem(path, os.environ.get("CXX", "c++"))
+        if problem:
+            os.remove(path)
+            raise SystemExit(problem)
+
+
 ucx_include, ucx_lib = ucx_location()
 
 extension = CppExtension(
@@ -66,5 +88,5 @@ extension = CppExtension(
 
 setup(
     ext_modules=[extension],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"build_ext": Build},
 )

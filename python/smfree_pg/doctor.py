@@ -2,12 +2,14 @@
 
 UCX's version and the transports it sees, each GPU's capabilities that the copy-engine path
 relies on (stream memory operations, remote-write flush, IPC handle types, peer access), and
-the settings that change smfree's behaviour.
+the settings that change smfree's behaviour. It first checks that the extension loads the
+libstdc++ torch uses (linkage.py), since one that carries its own crashes.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -15,6 +17,7 @@ import sys
 import torch
 
 import smfree_pg
+from smfree_pg.linkage import static_libstdcxx_problem
 
 SETTINGS_PREFIXES = ("SMFREE_", "UCX_TLS", "UCX_NET_DEVICES", "CUDA_DEVICE_MAX_CONNECTIONS",
                      "CUDA_VISIBLE_DEVICES", "PYTORCH_CUDA_ALLOC_CONF")
@@ -32,6 +35,18 @@ def collect() -> dict:
                           if key.startswith(SETTINGS_PREFIXES)}
     report["ptrace_scope"] = _read("/proc/sys/kernel/yama/ptrace_scope")
     return report
+
+
+def _linkage_problem() -> str | None:
+    """Checked before the extension runs: one linked with its own libstdc++ would crash here."""
+    spec = importlib.util.find_spec("smfree_pg._C")
+    if spec is None:
+        return None  # collect()'s import says it is not built
+    try:
+        return static_libstdcxx_problem(spec.origin)
+    except RuntimeError as error:
+        print(f"smfree_pg._C's linkage was not checked: {error}", file=sys.stderr)
+        return None
 
 
 def _read(path: str) -> str | None:
@@ -95,6 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
+    problem = _linkage_problem()
+    if problem:
+        print(problem, file=sys.stderr)
+        return 1
     report = collect()
     print(json.dumps(report, indent=2) if args.json else render(report))
     return 0 if "error" not in report["ucx"] else 1
