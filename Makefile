@@ -11,7 +11,7 @@ install:
 	[ -n "$$UCX_HOME" ] || $(PYTHON) -m pip install libucx-cu13
 	$(PYTHON) -m pip install --no-build-isolation -e .
 
-# One rank per GPU (at least 2), or 2 CPU ranks where there is no GPU.
+# One rank per GPU where there are 2 or more, else 2 ranks on CPU (the demo says why).
 demo: install
 	nproc=$$($(PYTHON) -c "import torch; print(max(2, torch.cuda.device_count()))"); \
 	$(PYTHON) -m torch.distributed.run --nproc-per-node=$$nproc examples/p2p_demo.py

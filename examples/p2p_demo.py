@@ -204,14 +204,33 @@ def describe(device: torch.device, world: int) -> str:
     )
 
 
+def choose_device(gpus: int, local_rank: int, local_ranks: int) -> tuple[torch.device, str]:
+    """This rank's device, and a note saying why when GPUs are present but not used.
+
+    The GPU run gives each rank of a host a GPU of its own: NCCL, the reference, refuses two
+    ranks on one GPU. One GPU cannot do that for a pair, so the demo runs on CPU there.
+    """
+    if gpus >= local_ranks:
+        return torch.device("cuda", local_rank), ""
+    if gpus <= 1:
+        note = (f"{gpus} GPU for {local_ranks} ranks on this host; the GPU run needs a GPU per "
+                f"rank, so this run uses CPU tensors" if gpus else "")
+        return torch.device("cpu"), note
+    raise SystemExit(f"p2p_demo: {local_ranks} ranks on this host but {gpus} GPUs; "
+                     f"run it with --nproc-per-node={gpus}")
+
+
 def setup() -> tuple[str, torch.device]:
     """Starts the reference default group and returns (its backend name, the device)."""
-    if torch.cuda.is_available():
-        local_rank = int(os.environ["LOCAL_RANK"])
-        torch.cuda.set_device(local_rank)
-        ref, device = "nccl", torch.device("cuda", local_rank)
-    else:
-        ref, device = "gloo", torch.device("cpu")
+    local_rank = int(os.environ["LOCAL_RANK"])
+    device, note = choose_device(
+        torch.cuda.device_count(), local_rank, int(os.environ["LOCAL_WORLD_SIZE"])
+    )
+    if note and local_rank == 0:
+        print(f"p2p_demo: {note}", flush=True)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    ref = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend=ref)
     return ref, device
 
