@@ -9,6 +9,10 @@ import torch.distributed as dist
 
 from harness import received_fills, run_ranks
 
+# torch 2.11 binds Work.exception() to a C++ type that it cannot return to Python, whatever the
+# backend ("Unable to convert function return value"); later versions return the exception.
+EXCEPTION_BINDING_WORKS = "exception_ptr" not in (dist.Work.exception.__doc__ or "")
+
 DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
     torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64,
@@ -335,7 +339,9 @@ def _work_api(rank, world):
         dist.barrier()  # the partner sends only now
         future = work.get_future()
         value = future.wait()
-        assert work.is_completed() and work.is_success() and work.exception() is None
+        assert work.is_completed() and work.is_success()
+        if EXCEPTION_BINDING_WORKS:
+            assert work.exception() is None
         assert torch.equal(value[0], torch.arange(16, dtype=torch.float32))
         assert torch.equal(buf, torch.arange(16, dtype=torch.float32))
         return True
