@@ -222,6 +222,9 @@ def choose_device(gpus: int, local_rank: int, local_ranks: int) -> tuple[torch.d
 
 def setup() -> tuple[str, torch.device]:
     """Starts the reference default group and returns (its backend name, the device)."""
+    if "LOCAL_RANK" not in os.environ:
+        raise SystemExit("p2p_demo: start it with torchrun, e.g. "
+                         "torchrun --nproc-per-node=2 examples/p2p_demo.py")
     local_rank = int(os.environ["LOCAL_RANK"])
     device, note = choose_device(
         torch.cuda.device_count(), local_rank, int(os.environ["LOCAL_WORLD_SIZE"])

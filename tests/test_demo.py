@@ -42,6 +42,14 @@ def test_more_ranks_than_gpus_is_refused_with_the_count_to_use():
         load_demo().choose_device(2, 0, 4)
 
 
+def test_a_start_without_torchrun_is_refused_with_the_command_to_use():
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
+    run = subprocess.run([sys.executable, DEMO], capture_output=True, text=True, timeout=60,
+                         env=dict(env, TORCH_DEVICE_BACKEND_AUTOLOAD="0"), cwd=ROOT)
+    assert run.returncode == 1
+    assert "start it with torchrun, e.g. torchrun --nproc-per-node=2" in run.stderr, run.stderr
+
+
 def test_two_rank_run_prints_both_backends_on_checked_data(tmp_path):
     out = tmp_path / "demo.json"
     env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", OMP_NUM_THREADS="1")
