@@ -46,7 +46,7 @@ if [ "$BATCH" = 1 ]; then
     args+=(--batch-p2p-communication)
 fi
 
-# As Megatron's launch scripts set it; smfree is fine with one hardware queue (README, Design).
+# As Megatron's launch scripts set it; smfree is fine with one hardware queue (docs/design.md).
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 # --deterministic-mode requires NCCL_ALGO to be set, and cuBLAS a fixed workspace.
 export NCCL_ALGO=${NCCL_ALGO:-Ring} CUBLAS_WORKSPACE_CONFIG=${CUBLAS_WORKSPACE_CONFIG:-:4096:8}

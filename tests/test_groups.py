@@ -169,7 +169,7 @@ def test_ranks_that_exit_without_destroying_the_group_exit_cleanly(tmp_path):
                 rank.kill()
         errors = [err.decode()[-2000:] for _, err in outputs]
         assert [rank.returncode for rank in ranks] == [0, 0], errors
-        # Both of the engine's threads ran, under the names the README gives. (UCX may print
+        # Both of the engine's threads ran, under the names docs/design.md gives. (UCX may print
         # its warnings to stdout too.)
         threads = [[line.split()[2:] for line in out.decode().splitlines()
                     if line.startswith("engine threads:")] for out, _ in outputs]

@@ -3,7 +3,7 @@
 # batch_isend_irecv wrapped, so their Works time their wait(); at exit each rank prints, per
 # backend and kind, how many waits it made, their total and mean, and how many took over 1 ms.
 # NCCL's wait() only enqueues a stream wait; smfree's returns once the partner has posted
-# (README, Design: "No stream waits for the future"), which this measures.
+# (docs/design.md, "No stream waits for the future"), which this measures.
 # E.g. on one host with 4 GPUs:
 #   CUDA_DEVICE_MAX_CONNECTIONS=1 torchrun --nproc-per-node=4 tools/probe_p2p_wait.py \
 #       examples/megatron_core_gpt.py --vpp 2 --modes overlapped --steps 6 --rounds 2

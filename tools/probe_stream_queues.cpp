@@ -6,7 +6,7 @@
 //   ctx        a stream of a second context on the same device, copying primary-context memory
 //   ctxown     the same, copying memory of the second context
 //   peerctx    a stream of a context on GPU 1, copying GPU 0's memory into its own
-// Build and run on a GPU machine (the README's Design section quotes its output):
+// Build and run on a GPU machine (docs/design.md quotes its output):
 //   g++ -std=c++17 -O1 -I/usr/local/cuda/include tools/probe_stream_queues.cpp -o /tmp/probe \
 //       $(ldconfig -p | grep 'libcuda.so.1 ' | head -1 | awk '{print $NF}')
 //   for v in same high userwrite ctx ctxown peerctx; do

@@ -1,4 +1,4 @@
-"""smfree's benchmark: items 1-4 of BENCHMARKS.md, smfree beside NCCL in one run on one host.
+"""smfree's benchmark (docs/benchmarks.md): smfree beside NCCL in one run on one host.
 
 1. bandwidth: time per op and GB/s for message sizes 4 KiB ... 1 GiB, one way (rank 0 sends,
    rank 1 receives) and both ways at once (each rank sends and receives), over smfree and over

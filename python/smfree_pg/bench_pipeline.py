@@ -1,4 +1,4 @@
-"""Item 4 of BENCHMARKS.md: a synthetic 1F1B pipeline over every rank, smfree beside NCCL.
+"""A synthetic 1F1B pipeline over every rank, smfree beside NCCL (docs/benchmarks.md).
 
 Rank r is stage r of the world. One step pushes `microbatches` micro-batches through the stages
 with the 1F1B schedule. A stage's forward is `layers` bf16 GEMMs (tokens x hidden) @ (hidden x

@@ -84,7 +84,7 @@ def render(report: dict) -> str:
     if connections is not None:
         lines.append(f"CUDA_DEVICE_MAX_CONNECTIONS={connections}: streams share hardware queues; "
                      "smfree's stream waits are only for work already submitted, so this is safe "
-                     "(README, Design: \"No stream waits for the future\")")
+                     "(docs/design.md, \"No stream waits for the future\")")
     lines.append("settings: " + (", ".join(f"{k}={v}" for k, v in report["settings"].items())
                                  or "none"))
     return "\n".join(lines)
@@ -101,9 +101,9 @@ def _other_hosts(ucx: dict) -> str:
     if version < (1, 14):
         return ("CUDA tensors to other hosts: UCX has only TCP here, and UCX before 1.14 cannot "
                 "list an endpoint's transports, so smfree hands them to UCX unstaged (slower; "
-                "README, Design: \"CUDA over TCP\")")
+                "docs/design.md, \"CUDA over TCP\")")
     return ("CUDA tensors to other hosts: UCX has only TCP here, so smfree stages them through "
-            "pinned host memory (README, Design: \"CUDA over TCP\")")
+            "pinned host memory (docs/design.md, \"CUDA over TCP\")")
 
 
 def main(argv: list[str] | None = None) -> int:
