@@ -2,7 +2,7 @@
 
 import pytest
 
-from smfree_pg.bench import summarize_overlap
+from smfree_pg.bench.overlap import summarize_overlap
 
 
 def loops(*gemm_ms):
