@@ -149,7 +149,8 @@ class Pipeline:
         self.last = any(stage.is_last for stage in self.stages)
         self.losses: list[list[float]] = []  # per step, per micro-batch (the last stage's rank)
         self.step_losses: list[torch.Tensor] = []
-        self.gradients: list[float] = []  # per step, a checksum of this rank's gradients
+        # per step, the sum of this rank's gradients and how many parameters have none
+        self.gradients: list[float] = []
 
     def step(self) -> None:
         """One step; the losses and gradients are read afterwards, outside the timed step."""
@@ -164,7 +165,10 @@ class Pipeline:
         if self.last:
             self.losses.append([float(loss.detach()) for loss in self.step_losses])
         parameters = [p for stage in self.stages for p in stage.submod.parameters()]
-        self.gradients.append(float(sum(p.grad.double().sum() for p in parameters)))
+        # A parameter the schedule left without a gradient counts too: both backends must agree.
+        self.gradients.append(float(sum(p.grad.double().sum() for p in parameters
+                                        if p.grad is not None)))
+        self.gradients.append(float(sum(p.grad is None for p in parameters)))
         for parameter in parameters:
             parameter.grad = None
 
@@ -317,8 +321,8 @@ def run(ctx: Ctx, args) -> dict:
                        "waits per step and rank",
             "wait_ms_per_step": "ms a step spent inside wait(), the most of any rank",
             "losses": "the last stage's losses of every step, smfree against the reference",
-            "gradients": "per step and rank, the sum of the gradients, smfree against the "
-                         "reference",
+            "gradients": "per step and rank, the sum of the gradients and the count of "
+                         "parameters without one, smfree against the reference",
         },
         "rows": rows_out,
     }

@@ -93,6 +93,8 @@ def measure(ctx: Ctx, size: int, iters: int, args) -> tuple[dict | None, str | N
     for backend in ctx.backends:
         for _ in range(args.roundtrip_warmup):
             round_trip(ctx, ctx.groups[backend], send, recvs[backend], clocks[backend])
+        recvs[backend].zero_()  # what the timed loops receive is checked after them
+    synchronize(ctx.device)
     loops = {backend: [] for backend in ctx.backends}
     for rep in range(args.roundtrip_reps):
         for backend in ctx.backends[::-1] if rep % 2 else ctx.backends:
