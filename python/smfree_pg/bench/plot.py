@@ -62,7 +62,7 @@ def describe(meta: dict) -> str:
     nccl = f", NCCL {meta['nccl']}" if meta["nccl"] else ""
     return (f"{meta['gpu'] or 'CPU tensors'}, torch {meta['torch']}{nccl}, "
             f"smfree {meta['smfree']}, world size {meta['world_size']}"
-            + ("" if connections == "default" else f", CUDA_DEVICE_MAX_CONNECTIONS={connections}"))
+            + ("" if connections == "default" else f"\nCUDA_DEVICE_MAX_CONNECTIONS={connections}"))
 
 
 def png_name(meta: dict, name: str) -> str:

@@ -48,7 +48,8 @@ def new_report(ctx: Ctx, args) -> dict:
     """
     cuda = ctx.device.type == "cuda"
     a, b = ctx.devices[:2]
-    options = {k: v for k, v in vars(args).items() if k not in ("command", "launcher")}
+    options = {k: v for k, v in vars(args).items()
+               if k not in ("command", "launcher", "run_suffix")}
     meta = {
         "command": args.command,
         "launcher": args.launcher,
