@@ -16,6 +16,7 @@ and the same gradients (bit for bit).
 
 from __future__ import annotations
 
+import argparse
 import gc
 import itertools
 import statistics
@@ -58,8 +59,7 @@ def add_arguments(parser) -> None:
     add("--pipelining-schedules", type=lambda text: parse_names(text, SCHEDULES, "schedule"),
         default=SCHEDULES, metavar="NAMES",
         help=f"schedules, comma-separated (default: those this torch has: {','.join(SCHEDULES)})")
-    add("--pipelining-stages", type=lambda text: [int(part) for part in text.split(",")],
-        metavar="COUNTS",
+    add("--pipelining-stages", type=parse_counts, metavar="COUNTS",
         help="pipeline ranks, comma-separated, each at least 2 and at most the world size "
         f"(default: those of {','.join(map(str, DEFAULT_STAGES))} the world holds)")
     add("--pipelining-sizes", type=parse_sizes, default="32K,1M,8M,64M",
@@ -77,6 +77,13 @@ def add_arguments(parser) -> None:
         help="rounds, the first backend alternating (default: %(default)s)")
     add("--pipelining-steps", type=int, default=8,
         help="timed steps per backend and round (default: %(default)s)")
+
+
+def parse_counts(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of stage counts: {text!r}") from None
 
 
 def check_arguments(args, parser) -> None:
