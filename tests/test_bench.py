@@ -1,8 +1,10 @@
-"""The benchmark's arithmetic: what it reports from the samples it took."""
+"""The benchmark's arithmetic (what it reports from the samples it took) and its command line."""
+
+import argparse
 
 import pytest
 
-from smfree_pg.bench import summarize_overlap
+from smfree_pg.bench.overlap import summarize_overlap
 
 
 def loops(*gemm_ms):
@@ -30,3 +32,26 @@ def test_paired_slowdown_is_the_median_over_rounds():
     summary = summarize_overlap(samples, n=1024, bytes_each_way=10**9)
     assert summary["smfree"]["paired_slowdown_pct"] == pytest.approx(2.0)
     assert summary["nccl"]["paired_slowdown_pct"] == pytest.approx(10.0)
+
+
+def test_cpu_runs_only_the_sections_that_run_there(capsys):
+    from smfree_pg.bench.cli import parse_args
+    from smfree_pg.bench.sections import SECTIONS
+
+    description = "bench"
+    assert parse_args(SECTIONS, description, ["--device", "cpu"]).only == ["pipelining",
+                                                                          "roundtrip"]
+    assert parse_args(SECTIONS, description, ["--only", "overlap,bandwidth"]).only == [
+        "bandwidth", "overlap"]
+    with pytest.raises(SystemExit):
+        parse_args(SECTIONS, description, ["--device", "cpu", "--only", "bandwidth"])
+    assert "do not run on cpu" in capsys.readouterr().err
+
+
+def test_connections_settings_are_checked():
+    from smfree_pg.bench.cli import parse_connections
+
+    assert parse_connections("default,1") == ["default", "1"]
+    for bad in ("0", "one", "1,1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_connections(bad)

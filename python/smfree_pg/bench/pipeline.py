@@ -1,4 +1,4 @@
-"""A synthetic 1F1B pipeline over every rank, smfree beside NCCL (docs/benchmarks.md).
+"""Pipeline (docs/benchmarks.md): a synthetic 1F1B pipeline over every rank, smfree beside NCCL.
 
 Rank r is stage r of the world. One step pushes `microbatches` micro-batches through the stages
 with the 1F1B schedule. A stage's forward is `layers` bf16 GEMMs (tokens x hidden) @ (hidden x
@@ -18,6 +18,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from smfree_pg.bench.cli import at_least
+from smfree_pg.bench.context import CUDA_BACKENDS, barrier, gather, log, raise_on_errors
+from smfree_pg.bench.report import format_table
+from smfree_pg.bench.sizes import format_size
+
+NAME = "pipeline"
+DEVICES = ("cuda",)
 DTYPE = torch.bfloat16
 
 
@@ -33,6 +40,13 @@ def add_arguments(parser) -> None:
                        help="micro-batches per step, at most 100 (default: %(default)s)")
     group.add_argument("--pipeline-steps", type=int, default=8,
                        help="timed steps per backend, after 2 untimed (default: %(default)s)")
+
+
+def check_arguments(args, parser) -> None:
+    if not 1 <= args.pipeline_microbatches <= 100:
+        parser.error("--pipeline-microbatches must be between 1 and 100")
+    at_least(parser, args, 1, "pipeline_layers", "pipeline_steps", "pipeline_hidden",
+             "pipeline_tokens")
 
 
 @dataclass
@@ -178,20 +192,17 @@ def run_step(stage: Stage, links: Links, microbatches: int, inputs, seed) -> tup
     return seconds, error
 
 
-def run_pipeline(ctx, args, barrier, gather, raise_on_errors, log, backends) -> dict:
+def run(ctx, args) -> dict:
     hidden, tokens = args.pipeline_hidden, args.pipeline_tokens
     microbatches = args.pipeline_microbatches
-    if not 1 <= microbatches <= 100 or args.pipeline_layers < 1:
-        raise ValueError("--pipeline-microbatches must be between 1 and 100 and "
-                         "--pipeline-layers at least 1")
     torch.manual_seed(1234 + ctx.rank)
     # Scaled so values stay near 1 through the GEMM chain.
     weight = torch.randn(hidden, hidden, device=ctx.device, dtype=DTYPE) / hidden ** 0.5
     stage = Stage(ctx.rank, ctx.world, ctx.device, weight, args.pipeline_layers, (tokens, hidden))
     inputs = torch.randn(tokens, hidden, device=ctx.device, dtype=DTYPE)
     seed = torch.randn(tokens, hidden, device=ctx.device, dtype=DTYPE)
-    samples: dict[str, list[float]] = {backend: [] for backend in backends}
-    for backend in backends:
+    samples: dict[str, list[float]] = {backend: [] for backend in CUDA_BACKENDS}
+    for backend in CUDA_BACKENDS:
         links = Links(stage, ctx.groups[backend])
         for step in range(2 + args.pipeline_steps):
             barrier(ctx)
@@ -222,7 +233,7 @@ def run_pipeline(ctx, args, barrier, gather, raise_on_errors, log, backends) -> 
     }
 
 
-def print_pipeline(section: dict, format_table, format_size) -> None:
+def print_section(section: dict) -> None:
     print(f"\nPipeline: 1F1B over {section['stages']} stages, {section['microbatches']} "
           f"micro-batches, {section['layers_per_stage']} x (3 GEMMs of {section['tokens']} x "
           f"{section['hidden']} x {section['hidden']}) per stage and micro-batch, "

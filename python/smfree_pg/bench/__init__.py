@@ -1,0 +1,33 @@
+"""smfree's benchmark: smfree beside NCCL (Gloo on CPU) in one run on one host.
+
+Sections (`--only`), one module each:
+
+1. bandwidth: time per op and GB/s for 4 KiB ... 1 GiB, one way and both ways at once, beside
+   the copy engines' own limit (a single process's peer copy).
+2. overlap: a bf16 GEMM loop's slowdown while P2P traffic moves tens of GiB each way.
+3. profile: a torch.profiler trace of P2P ops; the CUDA kernels they launched, the copies.
+4. pipeline: a synthetic 1F1B pipeline of GEMM stages over every rank; step time.
+5. pipelining: torch.distributed.pipelining's schedules (GPipe, 1F1B, Interleaved1F1B and the
+   zero-bubble ones the installed torch has) on an MLP, 2 and 4 stages, activations 32 KiB ...
+   64 MiB; step time and its spread, CPU time in wait(), losses and gradients compared.
+6. roundtrip: a dependent round trip (send, wait, receive back, wait) per message size, and
+   the CPU time in wait() per send and per receive.
+
+Ranks pair up (0<->1, 2<->3, ...; with an odd world size the last rank idles) and all pairs run
+at once; pipelines take the first ranks. Rank 0 prints its figures and writes every figure to a
+JSON file (schema in `report.new_report`), from which `python -m smfree_pg.bench.plot` draws
+PNG plots. 1 GB = 1e9 bytes.
+
+On CUDA it needs at least 2 GPUs on one host and spawns one rank per visible GPU itself:
+
+    python -m smfree_pg.bench
+    python -m smfree_pg.bench --only bandwidth --sizes 4K,1M,256M --json out/bw.json
+    python -m smfree_pg.bench --only pipelining,roundtrip --connections default,1
+
+or runs under torchrun, which it detects (RANK and WORLD_SIZE set) and then does not spawn:
+
+    torchrun --nproc-per-node=4 -m smfree_pg.bench --only overlap
+
+`--device cpu` runs the pipelining and roundtrip sections on CPU tensors (smfree over UCX
+against Gloo), which the tests use.
+"""

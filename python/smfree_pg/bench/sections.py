@@ -1,0 +1,11 @@
+"""The benchmark's sections, in the order they run and list their options.
+
+Each is a module with NAME, DEVICES (where it runs), add_arguments(parser),
+check_arguments(args, parser), run(ctx, args) -> its JSON section (called on every rank) and
+print_section(section) (rank 0's table).
+"""
+
+from smfree_pg.bench import bandwidth, overlap, pipeline, pipelining, profile, roundtrip
+
+SECTIONS = {module.NAME: module
+            for module in (bandwidth, overlap, profile, pipeline, pipelining, roundtrip)}
