@@ -462,7 +462,7 @@ Engine::NewPeer Engine::makePeer(const PeerAddress& address) {
   // Same host: shared memory and CMA need UCX's peer-failure handling off; the watch
   // notices a dead peer instead.
   const auto onError = [this, key](ucs_status_t status) {
-    onPeerFailure(key, concat("UCX reported ", ucxStatusText(status)));
+    onPeerFailure(key, ucxPeerErrorText(status));
   };
   try {
     peer->endpoint = std::make_unique<UcxEndpoint>(worker_->handle(), address.workerAddress,
