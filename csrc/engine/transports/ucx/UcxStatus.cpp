@@ -14,7 +14,9 @@ std::string ucxPeerErrorText(ucs_status_t status) {
       return concat(said, " on the connection to it: bytes went unacknowledged past the link "
                     "timeout (SMFREE_LINK_TIMEOUT_MS); its link or its host is down");
     case UCS_ERR_CONNECTION_RESET:
-      return concat(said, ": its process or its host went down");
+      // Also what UCX reports when the link timeout (SMFREE_LINK_TIMEOUT_MS) ends a connection.
+      return concat(said, ": its process or its host went down, or the link to it did (no "
+                    "acknowledgement within SMFREE_LINK_TIMEOUT_MS)");
     case UCS_ERR_UNREACHABLE:
       return concat(said, ": no route to its host");
     default:
