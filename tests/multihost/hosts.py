@@ -24,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 SUBNET = "10.77.0"
 STORE_PORT = 29500
@@ -88,7 +88,6 @@ class Job:
     procs: dict[int, subprocess.Popen]
     host_of: dict[int, int]
     workdir: str
-    started: float = field(default_factory=time.time)
 
     def progress(self, rank: int) -> int:
         """The count a rank last reported with `report_progress` (0 before the first)."""
