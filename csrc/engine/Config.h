@@ -26,6 +26,10 @@ struct Config {
   std::string spinNote;
   // UCX keepalive interval, so a dead peer fails pending ops quickly; UCX_KEEPALIVE_INTERVAL wins.
   std::chrono::milliseconds peerCheck;
+  // How long bytes toward a peer on another host may stay unacknowledged before its connection
+  // fails (TCP_USER_TIMEOUT): a cut link or a host gone fails its ops, naming it, after this
+  // rather than at their group timeout. UCX_TCP_USER_TIMEOUT wins; 0 keeps the system's.
+  std::chrono::milliseconds linkTimeout;
   // Most CUDA IPC mappings of peers' buffers kept open at once.
   size_t ipcCacheSize;
   // Most CUDA ops a process keeps in flight before a new one waits (SMFREE_MAX_CUDA_OPS).

@@ -140,6 +140,7 @@ Engine::Engine(Private)
 
 Engine::~Engine() {
   stopProgressThread();
+  flushPeers();
   // The progress thread is gone: finish what is left from here, held ops too.
   std::vector<std::shared_ptr<Op>> left;
   for (const auto& [id, op] : live_) left.push_back(op);
@@ -160,7 +161,17 @@ Engine::~Engine() {
 
 void Engine::stop() {
   stopProgressThread();
+  flushPeers();
   receiveLane_->stop();
+}
+
+void Engine::flushPeers() {
+  // Sends whose wait() returned may still be on their way: the peers take them before the
+  // connections go. Callbacks that run meanwhile find every peer in place.
+  for (auto& [key, peer] : peers_) {
+    if (peer->endpoint) peer->endpoint->flush();
+    if (peer->dataEndpoint) peer->dataEndpoint->flush();
+  }
 }
 
 void Engine::stopProgressThread() {
@@ -244,7 +255,12 @@ std::shared_ptr<Group> Engine::joinGroup(GroupConfig config, std::shared_ptr<Key
   auto shared = std::make_shared<const GroupConfig>(std::move(config));
   // Registered before it is published: a peer that reads the address may send at once, and
   // until then this engine drops messages for the name's previous group, closed but still known.
-  call<void>([this, shared] { registerGroup(shared); }, timeout, "registering the group");
+  call<void>(
+      [this, shared, timeout] {
+        longestGroupTimeout_ = std::max(longestGroupTimeout_, timeout);
+        registerGroup(shared);
+      },
+      timeout, "registering the group");
   auto group = std::make_shared<Group>(shared_from_this(), shared, store, timeout);
   store->set(addressKey(shared->rank), local_.encode());  // on failure, ~Group closes it
   return group;
@@ -446,13 +462,15 @@ Engine::NewPeer Engine::makePeer(const PeerAddress& address) {
   // Same host: shared memory and CMA need UCX's peer-failure handling off; the watch
   // notices a dead peer instead.
   const auto onError = [this, key](ucs_status_t status) {
-    onPeerFailure(key, concat("UCX reported ", ucxStatusText(status)));
+    onPeerFailure(key, ucxPeerErrorText(status));
   };
   try {
     peer->endpoint = std::make_unique<UcxEndpoint>(worker_->handle(), address.workerAddress,
-                                                   !peer->sameHost, onError);
-    peer->dataEndpoint = std::make_unique<UcxEndpoint>(
-        worker_->handle(), address.receiveWorkerAddress, !peer->sameHost, onError);
+                                                   !peer->sameHost, longestGroupTimeout_,
+                                                   onError);
+    peer->dataEndpoint =
+        std::make_unique<UcxEndpoint>(worker_->handle(), address.receiveWorkerAddress,
+                                      !peer->sameHost, longestGroupTimeout_, onError);
   } catch (const Error& error) {
     // UCX cannot attach to the shared memory or socket of an engine that has closed.
     if (peer->endpoint) peer->endpoint->peerGone();  // unreachable: no flush to wait for

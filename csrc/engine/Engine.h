@@ -69,8 +69,11 @@ class Engine : public std::enable_shared_from_this<Engine> {
   template <typename T>
   T call(std::function<T()> command, std::chrono::milliseconds timeout, const char* what);
   // Stops both threads, the progress thread and the receive lane's: at process exit, before
-  // UCX and CUDA tear down under them.
+  // UCX and CUDA tear down under them. In between, flushPeers().
   void stop();
+  // Once the progress thread is gone: waits, bounded by the group timeout for each endpoint,
+  // until every peer on another host has taken what was sent to it.
+  void flushPeers();
   // Waits, until `deadline` at most, for the ops whose wait() returned before they ended
   // (staged UCX ops, UcxCudaState) to finish their copies: of one group, or of all.
   void awaitReleasedOps(std::optional<uint64_t> groupId, Clock::time_point deadline);
@@ -191,6 +194,9 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // Progress thread only.
   std::unordered_map<uint64_t, GroupState> groups_;
   std::unordered_map<std::string, std::unique_ptr<Peer>> peers_;
+  // How long closing a peer's endpoints waits for it to take what was sent: the longest
+  // timeout of the groups joined so far.
+  std::chrono::milliseconds longestGroupTimeout_{0};
   std::unordered_map<uint64_t, std::shared_ptr<Op>> live_;
   std::unordered_map<uint64_t, std::vector<ReadyToSend>> orphans_;  // for groups not joined yet
   std::vector<cuda::Flag> unreachedReadyFlags_;  // freed once their stream has written them

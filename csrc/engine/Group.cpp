@@ -40,7 +40,17 @@ void Group::connect(int rank) {
   if (connected_[rank].load(std::memory_order_acquire)) {
     return;
   }
-  const PeerAddress address = PeerAddress::decode(store_->get(addressKey(rank)));
+  std::vector<uint8_t> published;
+  try {
+    published = store_->get(addressKey(rank));
+  } catch (const std::exception& error) {
+    // A peer is first reached through the store: with the store's host gone, only peers
+    // reached before stay reachable.
+    fail("cannot reach rank ", rank, " of group '", config_->name,
+         "' for the first time: reading its address from the group's store failed (is the "
+         "store's host down?): ", error.what());
+  }
+  const PeerAddress address = PeerAddress::decode(published);
   const uint64_t id = id_;
   Engine* engine = engine_.get();
   const bool stagesCuda = engine_->call<bool>(

@@ -26,11 +26,11 @@ void setDefault(ucp_config_t* config, const std::string& name, const std::string
 
 // UCX before 1.17 names a transport's settings without its prefix when they are modified
 // through ucp_config_modify (and warns that "TCP_TX_SEG_SIZE" is unused); later UCX takes the
-// prefixed name. Only TCP has a TX_SEG_SIZE setting.
-const char* tcpSegmentSizeKey() {
+// prefixed name. Only TCP has the settings set here.
+std::string tcpKey(const std::string& name) {
   unsigned major = 0, minor = 0, release = 0;
   ucp_get_version(&major, &minor, &release);
-  return (major > 1 || (major == 1 && minor >= 17)) ? "TCP_TX_SEG_SIZE" : "TX_SEG_SIZE";
+  return (major > 1 || (major == 1 && minor >= 17)) ? "TCP_" + name : name;
 }
 
 // Whether UCX_TLS leaves TCP in; UCX before 1.17 warns of TCP settings when it does not.
@@ -56,7 +56,15 @@ std::unique_ptr<ucp_config_t, ConfigDeleter> readConfig(const Config& config) {
   // With UCX's 8 KiB TCP send segments, one TCP connection moved 1.6 GB/s of 16 MiB messages
   // (ucx_perftest tag_bw, loopback); 64 KiB segments moved 5.5 GB/s. A rank with one NIC
   // toward a peer on another host has one such connection.
-  if (tcpAllowed()) setDefault(owned.get(), "TCP_TX_SEG_SIZE", "64K", tcpSegmentSizeKey());
+  if (tcpAllowed()) {
+    setDefault(owned.get(), "TCP_TX_SEG_SIZE", "64K", tcpKey("TX_SEG_SIZE"));
+    // A connection whose bytes go unacknowledged (a cut link, a host gone) otherwise fails
+    // only after the kernel's retransmissions, about 15 minutes.
+    if (config.linkTimeout.count() > 0) {
+      setDefault(owned.get(), "TCP_USER_TIMEOUT", concat(config.linkTimeout.count(), "ms"),
+                 tcpKey("USER_TIMEOUT"));
+    }
+  }
   return owned;
 }
 

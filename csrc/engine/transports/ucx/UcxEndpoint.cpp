@@ -3,14 +3,17 @@
 #include <chrono>
 
 #include "engine/Error.h"
+#include "engine/Log.h"
 #include "engine/transports/ucx/UcxStatus.h"
 
 namespace smfree::engine {
 
 UcxEndpoint::UcxEndpoint(ucp_worker_h worker, const std::vector<uint8_t>& address,
-                         bool peerFailureHandling, ErrorHandler onError)
+                         bool peerFailureHandling, std::chrono::milliseconds flushBound,
+                         ErrorHandler onError)
     : worker_(worker),
       peerFailureHandling_(peerFailureHandling),
+      flushBound_(flushBound),
       errorTarget_(std::make_unique<ErrorTarget>(ErrorTarget{std::move(onError)})) {
   ucp_ep_params_t params{};
   params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
@@ -40,14 +43,29 @@ bool UcxEndpoint::close() {
   if (request == nullptr) return true;
   if (UCS_PTR_IS_ERR(request)) return false;
   // The bound guards against a peer that died during a flush.
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  return await(request, std::chrono::steady_clock::now() + std::chrono::seconds(5));
+}
+
+void UcxEndpoint::flush() {
+  if (!peerFailureHandling_ || peerGone_) return;
+  ucp_request_param_t params{};
+  void* request = ucp_ep_flush_nbx(endpoint_, &params);
+  // Nothing in flight, or an endpoint that failed: nothing to wait for.
+  if (request == nullptr || UCS_PTR_IS_ERR(request)) return;
+  if (!await(request, std::chrono::steady_clock::now() + flushBound_)) {
+    log(LogLevel::kWarn, "closing a connection whose peer had not taken every send after ",
+        flushBound_.count(), " ms (the group timeout): the rest is dropped");
+  }
+}
+
+bool UcxEndpoint::await(void* request, std::chrono::steady_clock::time_point deadline) {
   while (ucp_request_check_status(request) == UCS_INPROGRESS &&
          std::chrono::steady_clock::now() < deadline) {
     ucp_worker_progress(worker_);
   }
-  const bool closed = ucp_request_check_status(request) != UCS_INPROGRESS;
+  const bool ended = ucp_request_check_status(request) != UCS_INPROGRESS;
   ucp_request_free(request);
-  return closed;
+  return ended;
 }
 
 std::optional<std::vector<std::string>> UcxEndpoint::transports() const {

@@ -2,6 +2,7 @@
 
 #include <ucp/api/ucp.h>
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -18,12 +19,13 @@ class UcxEndpoint {
  public:
   using ErrorHandler = std::function<void(ucs_status_t)>;
 
+  // `flushBound`: how long flush() waits.
   UcxEndpoint(ucp_worker_h worker, const std::vector<uint8_t>& address, bool peerFailureHandling,
-              ErrorHandler onError);
+              std::chrono::milliseconds flushBound, ErrorHandler onError);
   // With UCX's failure handling, a forced close, which completes outstanding requests with
-  // UCS_ERR_CANCELED; without, a flush while the peer lives. An endpoint left open (its peer
-  // gone, or its flush past its bound) stays in UCX until the worker goes: its error target
-  // then outlives this object and calls no one.
+  // UCS_ERR_CANCELED (call flush() first); without, a flush while the peer lives. An endpoint
+  // left open (its peer gone, or its flush past its bound) stays in UCX until the worker goes:
+  // its error target then outlives this object and calls no one.
   ~UcxEndpoint();
   UcxEndpoint(const UcxEndpoint&) = delete;
   UcxEndpoint& operator=(const UcxEndpoint&) = delete;
@@ -34,6 +36,11 @@ class UcxEndpoint {
   // first message).
   std::optional<std::vector<std::string>> transports() const;
   void peerGone() { peerGone_ = true; }
+  // With UCX's failure handling: waits, progressing the worker, until the peer has taken every
+  // send posted here, the endpoint fails, or `flushBound` passes (logged). Sends whose requests
+  // completed may still be on their way: a forced close alone resets the connection under
+  // them. Without failure handling, the close flushes.
+  void flush();
 
  private:
   // What UCX's error callback reaches: held apart from the endpoint, whose lifetime UCX does
@@ -44,10 +51,13 @@ class UcxEndpoint {
   static void onError(void* target, ucp_ep_h endpoint, ucs_status_t status);
   // Whether UCX has closed the endpoint when this returns.
   bool close();
+  // Progresses the worker until the request ends or `deadline`; whether it ended. Frees it.
+  bool await(void* request, std::chrono::steady_clock::time_point deadline);
 
   ucp_worker_h worker_;
   ucp_ep_h endpoint_ = nullptr;
   const bool peerFailureHandling_;
+  const std::chrono::milliseconds flushBound_;
   bool peerGone_ = false;
   std::unique_ptr<ErrorTarget> errorTarget_;
 };

@@ -1,0 +1,253 @@
+"""Faults between emulated hosts, injected from outside the ranks: a link that flaps, a link cut
+for good, a host whose ranks are killed, a slow link, the store's host dying, a sender that
+ends right after its last send. Each test checks every received byte, that the ranks with
+other peers go on, that no rank hangs and none is left behind; it prints one row of the fault
+table (and appends it to $MULTIHOST_FAULT_TABLE, a JSON-lines file, where that is set)."""
+
+import json
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from exchange import exchanges, first_line, intact, payload, report_progress
+from hosts import Hosts
+
+GROUP_TIMEOUT_S = 15
+JOB_TIMEOUT_S = 90
+RANKS_PER_HOST = 2
+GROUP_TIMEOUT_TEXT = "within the group timeout"
+
+
+def record(fault, stats, injected_at=None):
+    """Prints (and saves) the fault table's row: counts summed over the ranks, the time from
+    the injection to the first error, and that error's first line."""
+    errors = sorted((s["error_at"], s["error"]) for s in stats if s.get("error"))
+    row = {
+        "fault": fault,
+        "sent": sum(s["sent"] for s in stats),
+        "delivered": sum(s["delivered"] for s in stats),
+        "corrupt": sum(s["corrupt"] for s in stats),
+        "time_to_error_s": (round(errors[0][0] - injected_at, 2)
+                            if errors and injected_at is not None else None),
+        "error": errors[0][1] if errors else None,
+    }
+    print(f"\nFAULT ROW {json.dumps(row)}")
+    if os.environ.get("MULTIHOST_FAULT_TABLE"):
+        with open(os.environ["MULTIHOST_FAULT_TABLE"], "a") as f:
+            f.write(json.dumps(row) + "\n")
+    return row
+
+
+def cross_peer(rank, world):
+    """Same local rank on the other of two hosts."""
+    return (rank + RANKS_PER_HOST) % world
+
+
+def same_host_peer(rank):
+    return rank ^ 1
+
+
+def marked(name):
+    return os.path.exists(os.path.join(os.environ["MULTIHOST_WORKDIR"], name))
+
+
+def mark(job, name):
+    open(os.path.join(job.workdir, name), "w").close()
+
+
+# ---------------------------------------------------------------- a link that flaps
+
+
+def _stream(rank, world, count, numel, pause_s):
+    return exchanges(cross_peer(rank, world), count, numel, pause_s)
+
+
+def test_link_down_for_3_s_then_up_loses_nothing():
+    with Hosts(2) as hosts:
+        job = hosts.launch(_stream, RANKS_PER_HOST, 150, 1 << 16, 0.03,
+                           group_timeout_s=GROUP_TIMEOUT_S)
+        job.wait_progress(0, 20)
+        injected = hosts.link_down(1)
+        time.sleep(3)
+        hosts.link_up(1)
+        stats = job.values(JOB_TIMEOUT_S)
+        record("link down 3 s, then up", stats, injected)
+        assert hosts.leftover_processes() == []
+    for s in stats:
+        assert s["error"] is None, s["full_error"]
+        assert (s["sent"], s["delivered"], s["corrupt"]) == (150, 150, 0)
+
+
+# ---------------------------------------------------------------- a link cut for good
+
+
+def _cut_then_same_host(rank, world):
+    # Peers are first reached through the store, on host 0: the same-host pairs meet before.
+    exchanges(same_host_peer(rank), 1, 16)
+    cross = exchanges(cross_peer(rank, world), 100_000, 1 << 14, 0.01)
+    # The peer on this host is still reachable: its ops go on.
+    same = exchanges(same_host_peer(rank), 20, 1 << 14)
+    return {"cross": cross, "same": same}
+
+
+def test_link_cut_is_reported_naming_the_peer_host_and_ops_with_others_go_on():
+    with Hosts(2) as hosts:
+        job = hosts.launch(_cut_then_same_host, RANKS_PER_HOST, group_timeout_s=GROUP_TIMEOUT_S)
+        job.wait_progress(0, 20)
+        injected = hosts.link_down(1)
+        values = job.values(JOB_TIMEOUT_S)
+        record("link cut for good", [v["cross"] for v in values], injected)
+        assert hosts.leftover_processes() == []
+    for rank, value in enumerate(values):
+        cross, same = value["cross"], value["same"]
+        assert cross["corrupt"] == 0, cross
+        error = cross["full_error"]
+        assert error is not None, f"rank {rank}: the cut link went unnoticed"
+        peer_host = hosts.hostnames[1 - rank // RANKS_PER_HOST]
+        assert f"on host {peer_host}" in error, error
+        assert "UCX" in error, error
+        assert GROUP_TIMEOUT_TEXT not in error, f"reported as a timeout: {error}"
+        assert same["error"] is None, same["full_error"]
+        assert (same["delivered"], same["corrupt"]) == (20, 0)
+
+
+# ---------------------------------------------------------------- a host's ranks killed
+
+
+def _killed_then_same_host(rank, world):
+    if rank >= RANKS_PER_HOST:  # host 1: killed mid-stream
+        return exchanges(cross_peer(rank, world), 100_000, 1 << 20)
+    exchanges(same_host_peer(rank), 1, 16)
+    cross = exchanges(cross_peer(rank, world), 100_000, 1 << 20)
+    same = exchanges(same_host_peer(rank), 20, 1 << 14)
+    return {"cross": cross, "same": same}
+
+
+def test_killed_host_fails_its_peers_ops_naming_it_and_ops_with_others_go_on():
+    with Hosts(2) as hosts:
+        job = hosts.launch(_killed_then_same_host, RANKS_PER_HOST,
+                           group_timeout_s=GROUP_TIMEOUT_S)
+        job.wait_progress(0, 20)
+        injected = job.kill_host(1)
+        results = job.results(JOB_TIMEOUT_S)
+        assert hosts.leftover_processes() == []
+    survivors = [r for r in results if r.host == 0]
+    for r in survivors:
+        assert r.error is None and r.exit_code == 0, f"rank {r.rank}: {r.error}\n{r.log}"
+    record("a host's ranks killed mid-transfer", [r.value["cross"] for r in survivors], injected)
+    for r in survivors:
+        cross, same = r.value["cross"], r.value["same"]
+        assert cross["corrupt"] == 0
+        assert cross["full_error"] and f"on host {hosts.hostnames[1]}" in cross["full_error"]
+        assert GROUP_TIMEOUT_TEXT not in cross["full_error"]
+        assert (same["delivered"], same["corrupt"], same["error"]) == (20, 0, None)
+    assert [r.exit_code for r in results if r.host == 1] == [-9, -9]
+
+
+# ---------------------------------------------------------------- a sender ending at once
+
+
+def _send_then_end(rank, world, count, numel):
+    """Rank 0 sends `count` messages to rank 1 and returns right after its last wait(): the
+    process then ends the group (or not) and exits at once."""
+    if rank == 0:
+        sent = 0
+        for index in range(count):
+            dist.send(payload(0, index, numel), 1)
+            sent += 1
+        return {"sent": sent, "delivered": 0, "corrupt": 0, "error": None, "error_at": None}
+    stats = {"sent": 0, "delivered": 0, "corrupt": 0, "error": None, "error_at": None,
+             "full_error": None}
+    for index in range(count):
+        got = torch.empty(numel, dtype=torch.int32)
+        try:
+            dist.recv(got, 0)
+        except Exception as error:  # noqa: BLE001 - the test reads it
+            stats.update(error=first_line(error), error_at=time.time(), full_error=str(error))
+            break
+        stats["delivered" if intact(got, 0, index) else "corrupt"] += 1
+    return stats
+
+
+@pytest.mark.parametrize("ending", ["destroy_process_group", "interpreter_exit"])
+def test_sender_ending_right_after_its_last_send_over_a_slow_link_loses_nothing(ending):
+    count, numel = 4, 4 << 20  # 16 MiB each: 0.7 s apiece at 200 Mbit/s
+    with Hosts(2) as hosts:
+        hosts.slow_link(1, "200mbit")
+        job = hosts.launch(_send_then_end, 1, count, numel, group_timeout_s=30,
+                           destroy_group=ending == "destroy_process_group")
+        started = time.time()
+        results = job.results(JOB_TIMEOUT_S)
+        assert hosts.leftover_processes() == []
+    stats = [r.value or {"sent": 0, "delivered": 0, "corrupt": 0} for r in results]
+    record(f"slow link (200 Mbit/s), sender exits after its last wait() ({ending})", stats,
+           started)
+    for r in results:
+        assert r.error is None and r.exit_code == 0, f"rank {r.rank}: {r.error}\n{r.log}"
+    assert stats[0]["sent"] == count
+    assert (stats[1]["delivered"], stats[1]["corrupt"], stats[1]["error"]) == (count, 0, None)
+
+
+# ---------------------------------------------------------------- the store's host dying
+
+
+def _store_host_dies(rank, world):
+    host = rank // RANKS_PER_HOST
+    if host == 0:  # serves the store (rank 0); killed while its ranks exchange
+        return exchanges(same_host_peer(rank), 100_000, 1 << 14, 0.01)
+    # Hosts 1 and 2: ranks 2<->4 and 3<->5 exchange across hosts before and after the kill.
+    peer = rank + RANKS_PER_HOST if host == 1 else rank - RANKS_PER_HOST
+    before = 0
+    while not marked("killed"):
+        got = torch.empty(1 << 14, dtype=torch.int32)
+        for work in dist.batch_isend_irecv([
+                dist.P2POp(dist.isend, payload(rank, before, 1 << 14), peer),
+                dist.P2POp(dist.irecv, got, peer)]):
+            work.wait()
+        assert intact(got, peer, before)
+        # Both sides stop after the same count: the one that sees the mark first tells.
+        before += 1
+        report_progress(before)
+        flag = torch.tensor([1 if marked("killed") else 0])
+        other = torch.empty(1, dtype=torch.int64)
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, flag, peer),
+                                            dist.P2POp(dist.irecv, other, peer)]):
+            work.wait()
+        if flag.item() or other.item():
+            break
+    after = exchanges(peer, 20, 1 << 14)
+    # An op toward a rank of the dead store host, never reached before, fails: its address
+    # would come from the store.
+    try:
+        dist.send(payload(rank, 0, 16), 0)
+        toward_dead = None
+    except Exception as error:  # noqa: BLE001 - the test reads it
+        toward_dead = {"error": first_line(error), "full_error": str(error),
+                       "error_at": time.time()}
+    return {"before": before, "after": after, "toward_dead": toward_dead}
+
+
+def test_store_host_dying_leaves_the_other_hosts_exchanging():
+    with Hosts(3) as hosts:
+        job = hosts.launch(_store_host_dies, RANKS_PER_HOST, group_timeout_s=GROUP_TIMEOUT_S)
+        job.wait_progress(2, 20)
+        injected = job.kill_host(0)
+        mark(job, "killed")
+        results = job.results(JOB_TIMEOUT_S)
+        assert hosts.leftover_processes() == []
+    survivors = [r for r in results if r.host != 0]
+    for r in survivors:
+        assert r.error is None and r.exit_code == 0, f"rank {r.rank}: {r.error}\n{r.log}"
+    rows = [{"sent": r.value["after"]["sent"], "delivered": r.value["after"]["delivered"],
+             "corrupt": r.value["after"]["corrupt"], **r.value["toward_dead"]}
+            for r in survivors]
+    record("the store's host killed (sends toward it, 20 exchanges between the others)", rows,
+           injected)
+    for r in survivors:
+        assert (r.value["after"]["delivered"], r.value["after"]["corrupt"]) == (20, 0)
+        error = r.value["toward_dead"]["full_error"]
+        assert "cannot reach rank 0" in error and "store" in error, error
+    assert [r.exit_code for r in results if r.host == 0] == [-9, -9]
