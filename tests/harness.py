@@ -189,3 +189,20 @@ def received_fills(peer: int, count: int, numel: int, device=None) -> list:
         dist.recv(buf, peer)
         values.append(buf[0].item() if torch.all(buf == buf[0]) else None)
     return values
+
+
+def rank_device(rank: int):
+    """In a rank: cuda:rank where the test runs it on CUDA (run_ranks(cuda=True)), else the CPU."""
+    import torch
+
+    if os.environ.get("SMFREE_TEST_CUDA") == "1":
+        return torch.device("cuda", rank)
+    return torch.device("cpu")
+
+
+def synchronize(device) -> None:
+    """In a rank: waits for the device's queued work (nothing to wait for on the CPU)."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -2,212 +2,163 @@
 
 #include <cstring>
 #include <type_traits>
+#include <utility>
 
 #include "engine/Error.h"
 
 namespace smfree::engine {
 namespace {
 
-enum class MessageType : uint8_t {
-  kReadyToSend = 1,
-  kClearToSend,
-  kRefusal,
-  kCancellation,
-  kMemoryReleased,
-  kChannelNotice
-};
+// The first byte of every message: its place in ControlMessage, from 1.
+using MessageType = uint8_t;
 
+// Enums read off the wire must name one of their values.
+bool known(ChannelKind kind) {
+  return kind == ChannelKind::kUcx || kind == ChannelKind::kCopyEngine;
+}
+bool known(StatusCode code) {
+  return static_cast<int>(code) >= static_cast<int>(StatusCode::kOk) &&
+         static_cast<int>(code) <= static_cast<int>(StatusCode::kTransport);
+}
+const char* enumName(ChannelKind) { return "data channel"; }
+const char* enumName(StatusCode) { return "status code"; }
+
+// Numbers and enums as their bytes; bool as one byte; strings and vectors as a uint32 count
+// and their contents; a TensorDesc as its fields.
 class Writer {
  public:
-  template <typename T>
-  void put(T value) {
-    static_assert(std::is_trivially_copyable_v<T>);
-    const auto* bytes = reinterpret_cast<const uint8_t*>(&value);
-    out_.insert(out_.end(), bytes, bytes + sizeof(T));
-  }
-  void put(const std::string& text) {
-    put<uint32_t>(static_cast<uint32_t>(text.size()));
-    out_.insert(out_.end(), text.begin(), text.end());
-  }
-  void put(const TensorDesc& desc) {
-    put(desc.bytes);
-    put(desc.dtype);
-    put(desc.device);
-    put<uint32_t>(static_cast<uint32_t>(desc.shape.size()));
-    for (int64_t dim : desc.shape) put(dim);
+  template <typename... Fields>
+  void operator()(const Fields&... fields) {
+    (put(fields), ...);
   }
   std::vector<uint8_t> take() { return std::move(out_); }
 
+  template <typename T>
+  void put(const T& value) {
+    static_assert(std::is_arithmetic_v<T> || std::is_enum_v<T>, "no wire encoding for this type");
+    if constexpr (std::is_same_v<T, bool>) {
+      put(static_cast<uint8_t>(value));
+    } else {
+      const auto* bytes = reinterpret_cast<const uint8_t*>(&value);
+      out_.insert(out_.end(), bytes, bytes + sizeof(T));
+    }
+  }
+  void put(const std::string& text) {
+    putCount(text.size());
+    out_.insert(out_.end(), text.begin(), text.end());
+  }
+  template <typename T>
+  void put(const std::vector<T>& items) {
+    putCount(items.size());
+    for (const T& item : items) put(item);
+  }
+  void put(const TensorDesc& desc) { (*this)(desc.bytes, desc.dtype, desc.device, desc.shape); }
+
  private:
+  void putCount(size_t count) { put(static_cast<uint32_t>(count)); }
+
   std::vector<uint8_t> out_;
 };
 
 class Reader {
  public:
-  Reader(const void* data, size_t length)
-      : data_(static_cast<const uint8_t*>(data)), length_(length) {}
+  Reader(const void* data, size_t length, const char* message)
+      : data_(static_cast<const uint8_t*>(data)), length_(length), message_(message) {}
+
+  template <typename... Fields>
+  void operator()(Fields&... fields) {
+    (get(fields), ...);  // a fold over the comma operator: in the listed order
+  }
+  void setMessage(const char* message) { message_ = message; }
 
   template <typename T>
-  T get() {
-    static_assert(std::is_trivially_copyable_v<T>);
-    need(sizeof(T));
-    T value;
-    std::memcpy(&value, data_ + offset_, sizeof(T));
-    offset_ += sizeof(T);
-    return value;
+  void get(T& value) {
+    static_assert(std::is_arithmetic_v<T> || std::is_enum_v<T>, "no wire decoding for this type");
+    if constexpr (std::is_same_v<T, bool>) {
+      uint8_t byte = 0;
+      get(byte);
+      value = byte != 0;
+    } else {
+      need(sizeof(T));
+      std::memcpy(&value, data_ + offset_, sizeof(T));
+      offset_ += sizeof(T);
+      if constexpr (std::is_enum_v<T>) {
+        if (!known(value)) {
+          fail("unknown ", enumName(value), " ", static_cast<long long>(value), " in a ",
+               message_);
+        }
+      }
+    }
   }
-  std::string getString() {
-    const auto size = get<uint32_t>();
-    need(size);
-    std::string text(reinterpret_cast<const char*>(data_ + offset_), size);
+  void get(std::string& text) {
+    const uint32_t size = getCount(1);
+    text.assign(reinterpret_cast<const char*>(data_ + offset_), size);
     offset_ += size;
-    return text;
   }
-  TensorDesc getDesc() {
-    TensorDesc desc;
-    desc.bytes = get<uint64_t>();
-    desc.dtype = getString();
-    desc.device = getString();
-    const auto dims = get<uint32_t>();
-    need(static_cast<size_t>(dims) * sizeof(int64_t));
-    for (uint32_t i = 0; i < dims; ++i) desc.shape.push_back(get<int64_t>());
-    return desc;
+  template <typename T>
+  void get(std::vector<T>& items) {
+    static_assert(std::is_arithmetic_v<T>, "vectors on the wire hold numbers");
+    items.resize(getCount(sizeof(T)));
+    for (T& item : items) get(item);
   }
+  void get(TensorDesc& desc) { (*this)(desc.bytes, desc.dtype, desc.device, desc.shape); }
 
  private:
+  // A count, checked against the bytes left before anything is allocated for it.
+  uint32_t getCount(size_t itemBytes) {
+    uint32_t count = 0;
+    get(count);
+    need(static_cast<size_t>(count) * itemBytes);
+    return count;
+  }
   void need(size_t bytes) const {
-    if (offset_ + bytes > length_) {
-      fail("truncated control message (", length_, " B, needed ", offset_ + bytes, " B)");
+    if (bytes > length_ - offset_) {
+      fail("truncated control message (", message_, ": ", length_, " B, needed ",
+           offset_ + bytes, " B)");
     }
   }
 
   const uint8_t* data_;
   size_t length_;
   size_t offset_ = 0;
+  const char* message_;
 };
 
-void write(Writer& w, const ReadyToSend& m) {
-  w.put(MessageType::kReadyToSend);
-  w.put(m.group);
-  w.put(m.source);
-  w.put(m.tag);
-  w.put(m.seq);
-  w.put(m.sendId);
-  w.put(m.desc);
-  w.put(m.channel);
-  w.put(static_cast<uint8_t>(m.promised));
+template <size_t Index>
+ControlMessage decodeAs(Reader& reader) {
+  using Message = std::variant_alternative_t<Index, ControlMessage>;
+  Message message;
+  reader.setMessage(Message::kName);
+  Message::fields(message, reader);
+  return message;
 }
 
-void write(Writer& w, const ClearToSend& m) {
-  w.put(MessageType::kClearToSend);
-  w.put(m.group);
-  w.put(m.receiver);
-  w.put(m.sendId);
-  w.put(m.recvId);
-  w.put(m.channelData);
-}
-
-void write(Writer& w, const Refusal& m) {
-  w.put(MessageType::kRefusal);
-  w.put(m.group);
-  w.put(m.receiver);
-  w.put(m.sendId);
-  w.put(m.code);
-  w.put(m.reason);
-}
-
-void write(Writer& w, const Cancellation& m) {
-  w.put(MessageType::kCancellation);
-  w.put(m.group);
-  w.put(m.source);
-  w.put(m.tag);
-  w.put(m.seq);
-  w.put(m.recvId);
-  w.put(m.reason);
-}
-
-void write(Writer& w, const MemoryReleased& m) {
-  w.put(MessageType::kMemoryReleased);
-  w.put(m.owner);
-  w.put<uint32_t>(static_cast<uint32_t>(m.ids.size()));
-  for (uint64_t id : m.ids) w.put(id);
-}
-
-void write(Writer& w, const ChannelNotice& m) {
-  w.put(MessageType::kChannelNotice);
-  w.put(m.sender);
-  w.put(m.data);
+template <size_t... Index>
+ControlMessage decodeByType(MessageType type, Reader& reader, std::index_sequence<Index...>) {
+  using Decode = ControlMessage (*)(Reader&);
+  static constexpr Decode kDecoders[] = {&decodeAs<Index>...};
+  if (type == 0 || type > sizeof...(Index)) {
+    fail("unknown control message type ", static_cast<int>(type), " (known: 1 to ",
+         sizeof...(Index), ")");
+  }
+  return kDecoders[type - 1](reader);
 }
 
 }  // namespace
 
 std::vector<uint8_t> encode(const ControlMessage& message) {
   Writer writer;
-  std::visit([&](const auto& m) { write(writer, m); }, message);
+  writer.put(static_cast<MessageType>(message.index() + 1));
+  std::visit([&](const auto& m) { std::decay_t<decltype(m)>::fields(m, writer); }, message);
   return writer.take();
 }
 
 ControlMessage decode(const void* data, size_t length) {
-  Reader r(data, length);
-  switch (r.get<MessageType>()) {
-    case MessageType::kReadyToSend: {
-      ReadyToSend m;
-      m.group = r.get<uint64_t>();
-      m.source = r.get<int32_t>();
-      m.tag = r.get<int32_t>();
-      m.seq = r.get<uint64_t>();
-      m.sendId = r.get<uint64_t>();
-      m.desc = r.getDesc();
-      m.channel = r.get<ChannelKind>();
-      if (m.channel != ChannelKind::kUcx && m.channel != ChannelKind::kCopyEngine) {
-        fail("unknown data channel ", static_cast<int>(m.channel), " in a ready-to-send");
-      }
-      m.promised = r.get<uint8_t>() != 0;
-      return m;
-    }
-    case MessageType::kClearToSend: {
-      ClearToSend m;
-      m.group = r.get<uint64_t>();
-      m.receiver = r.get<int32_t>();
-      m.sendId = r.get<uint64_t>();
-      m.recvId = r.get<uint64_t>();
-      m.channelData = r.getString();
-      return m;
-    }
-    case MessageType::kRefusal: {
-      Refusal m;
-      m.group = r.get<uint64_t>();
-      m.receiver = r.get<int32_t>();
-      m.sendId = r.get<uint64_t>();
-      m.code = r.get<StatusCode>();
-      m.reason = r.getString();
-      return m;
-    }
-    case MessageType::kCancellation: {
-      Cancellation m;
-      m.group = r.get<uint64_t>();
-      m.source = r.get<int32_t>();
-      m.tag = r.get<int32_t>();
-      m.seq = r.get<uint64_t>();
-      m.recvId = r.get<uint64_t>();
-      m.reason = r.getString();
-      return m;
-    }
-    case MessageType::kMemoryReleased: {
-      MemoryReleased m;
-      m.owner = r.getString();
-      const auto count = r.get<uint32_t>();
-      for (uint32_t i = 0; i < count; ++i) m.ids.push_back(r.get<uint64_t>());
-      return m;
-    }
-    case MessageType::kChannelNotice: {
-      ChannelNotice m;
-      m.sender = r.getString();
-      m.data = r.getString();
-      return m;
-    }
-  }
-  fail("unknown control message type");
+  Reader reader(data, length, "control message");
+  MessageType type = 0;
+  reader.get(type);
+  return decodeByType(type, reader,
+                      std::make_index_sequence<std::variant_size_v<ControlMessage>>());
 }
 
 }  // namespace smfree::engine

@@ -15,6 +15,11 @@ enum class ChannelKind : uint8_t { kUcx = 0, kCopyEngine = 1 };
 
 // Control messages between engines. A send is announced to its receiver, which matches it
 // in posting order and either clears it (the channel then moves the bytes) or refuses it.
+//
+// Each message lists its fields once, in wire order, in `fields`: Wire.cpp's one encoder and
+// one decoder walk that list (a field is a fixed-size number, enum or bool, a string, a
+// TensorDesc, or a vector of numbers). A message's type on the wire is its place in
+// ControlMessage, from 1: new messages go at the end of the variant.
 struct ReadyToSend {
   uint64_t group = 0;
   int32_t source = 0;  // sender's rank in the group
@@ -27,6 +32,12 @@ struct ReadyToSend {
   // its bytes without any CUDA call on a thread that could stall: its receiver may queue its
   // copies in to wait for them on the GPU.
   bool promised = false;
+
+  static constexpr const char* kName = "ready-to-send";
+  template <class Self, class Visitor>  // Self: this message, const or not
+  static void fields(Self& m, Visitor&& visit) {
+    visit(m.group, m.source, m.tag, m.seq, m.sendId, m.desc, m.channel, m.promised);
+  }
 };
 
 struct ClearToSend {
@@ -35,6 +46,12 @@ struct ClearToSend {
   uint64_t sendId = 0;
   uint64_t recvId = 0;
   std::string channelData;  // what the channel needs to reach the receive buffer
+
+  static constexpr const char* kName = "clear-to-send";
+  template <class Self, class Visitor>  // Self: this message, const or not
+  static void fields(Self& m, Visitor&& visit) {
+    visit(m.group, m.receiver, m.sendId, m.recvId, m.channelData);
+  }
 };
 
 // The receiver will not take this send: mismatch, or its recv already failed.
@@ -44,6 +61,12 @@ struct Refusal {
   uint64_t sendId = 0;
   StatusCode code = StatusCode::kMismatch;
   std::string reason;
+
+  static constexpr const char* kName = "refusal";
+  template <class Self, class Visitor>  // Self: this message, const or not
+  static void fields(Self& m, Visitor&& visit) {
+    visit(m.group, m.receiver, m.sendId, m.code, m.reason);
+  }
 };
 
 // The sender gave up on a send (timeout): fail the recv that matches or matched it.
@@ -54,6 +77,12 @@ struct Cancellation {
   uint64_t seq = 0;
   uint64_t recvId = 0;  // 0 while the sender has not been cleared
   std::string reason;
+
+  static constexpr const char* kName = "cancellation";
+  template <class Self, class Visitor>  // Self: this message, const or not
+  static void fields(Self& m, Visitor&& visit) {
+    visit(m.group, m.source, m.tag, m.seq, m.recvId, m.reason);
+  }
 };
 
 // The owner freed or unmapped CUDA memory it had exported to the receiver (buffer ids of
@@ -61,6 +90,12 @@ struct Cancellation {
 struct MemoryReleased {
   std::string owner;  // the owner's process key
   std::vector<uint64_t> ids;
+
+  static constexpr const char* kName = "memory-released";
+  template <class Self, class Visitor>  // Self: this message, const or not
+  static void fields(Self& m, Visitor&& visit) {
+    visit(m.owner, m.ids);
+  }
 };
 
 // What a sender's data channel tells the receiver's about a transfer already cleared (the
@@ -68,6 +103,12 @@ struct MemoryReleased {
 struct ChannelNotice {
   std::string sender;  // the sender's process key
   std::string data;
+
+  static constexpr const char* kName = "channel notice";
+  template <class Self, class Visitor>  // Self: this message, const or not
+  static void fields(Self& m, Visitor&& visit) {
+    visit(m.sender, m.data);
+  }
 };
 
 using ControlMessage = std::variant<ReadyToSend, ClearToSend, Refusal, Cancellation,

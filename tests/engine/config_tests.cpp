@@ -1,0 +1,82 @@
+// Settings: the SMFREE_* variables parsed once, with defaults and refusals by name.
+
+#include <cstdlib>
+#include <initializer_list>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "engine/Config.h"
+
+#include "check.h"
+
+using namespace smfree::engine;
+
+namespace {
+
+// Sets the variables for one test and restores what was there before.
+class ScopedEnv {
+ public:
+  ScopedEnv(std::initializer_list<std::pair<const char*, const char*>> settings) {
+    for (const auto& [name, value] : settings) {
+      const char* old = std::getenv(name);
+      saved_.push_back({name, old != nullptr, old ? old : ""});
+      value ? setenv(name, value, 1) : unsetenv(name);
+    }
+  }
+  ~ScopedEnv() {
+    for (const Saved& saved : saved_) {
+      saved.was ? setenv(saved.name, saved.value.c_str(), 1) : unsetenv(saved.name);
+    }
+  }
+
+ private:
+  struct Saved {
+    const char* name;
+    bool was;
+    std::string value;
+  };
+  std::vector<Saved> saved_;
+};
+
+TEST(configDefaults, "config: unset variables take their defaults") {
+  ScopedEnv env{{"SMFREE_TRANSPORT", nullptr}, {"SMFREE_STAGING_BYTES", nullptr},
+                {"SMFREE_IPC_CACHE_SIZE", nullptr}, {"SMFREE_SPIN_US", "250"}};
+  const Config config = Config::fromEnv();
+  CHECK(config.transport == Transport::kAuto);
+  CHECK(config.stagingBytes == 16u << 20);
+  CHECK(config.ipcCacheSize == 1024);
+  CHECK(config.spin.count() == 250);
+}
+
+TEST(configReadsItsChoices, "config: each transport and size is read as given") {
+  ScopedEnv env{{"SMFREE_TRANSPORT", "ucx"}, {"SMFREE_STAGING_BYTES", "0"}};
+  const Config config = Config::fromEnv();
+  CHECK(config.transport == Transport::kUcx);
+  CHECK(config.stagingBytes == 0);
+  ScopedEnv copyEngine{{"SMFREE_TRANSPORT", "copy_engine"}};
+  CHECK(Config::fromEnv().transport == Transport::kCopyEngine);
+}
+
+TEST(configRefusesBadValuesByName, "config: a bad value is refused naming the variable") {
+  {
+    ScopedEnv env{{"SMFREE_TRANSPORT", "nvlink"}};
+    CHECK(testing::throwsError([] { Config::fromEnv(); },
+                               "SMFREE_TRANSPORT='nvlink' is not one of auto, copy_engine, ucx"));
+  }
+  {
+    ScopedEnv env{{"SMFREE_STAGING_BYTES", "4M"}};
+    CHECK(testing::throwsError([] { Config::fromEnv(); },
+                               "SMFREE_STAGING_BYTES='4M' is not a non-negative integer"));
+  }
+  {
+    ScopedEnv env{{"SMFREE_IPC_CACHE_SIZE", "0"}};
+    CHECK(testing::throwsError([] { Config::fromEnv(); }, "SMFREE_IPC_CACHE_SIZE must be at least 1"));
+  }
+  {
+    ScopedEnv env{{"SMFREE_MAX_CUDA_OPS", "0"}};
+    CHECK(testing::throwsError([] { Config::fromEnv(); }, "SMFREE_MAX_CUDA_OPS must be between 1 and"));
+  }
+}
+
+}  // namespace

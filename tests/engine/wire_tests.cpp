@@ -1,0 +1,175 @@
+// The control messages' wire format: every message round-trips, the bytes stay as they were,
+// and malformed bytes are refused by name.
+
+#include <cstdint>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "engine/GroupState.h"
+#include "engine/Wire.h"
+
+#include "check.h"
+
+using namespace smfree::engine;
+
+namespace {
+
+ReadyToSend sampleReady() {
+  ReadyToSend ready;
+  ready.group = 0x1122334455667788ull;
+  ready.source = 5;
+  ready.tag = -2;
+  ready.seq = 99;
+  ready.sendId = 1234;
+  ready.desc = TensorDesc{64, "bfloat16", "cuda", {4, 8}};
+  ready.channel = ChannelKind::kCopyEngine;
+  ready.promised = true;
+  return ready;
+}
+
+// One of each message, and its bytes as the wire carries them. A change to these bytes breaks
+// engines of different builds talking to each other: it must be deliberate.
+struct Sample {
+  ControlMessage message;
+  const char* hex;
+};
+
+std::vector<Sample> samples() {
+  return {
+      {sampleReady(),
+       "01887766554433221105000000feffffff6300000000000000d2040000000000004000000000000000080000"
+       "0062666c6f61743136040000006375646102000000040000000000000008000000000000000101"},
+      {ClearToSend{7, 1, 55, 66, std::string("\0\1\2", 3)},
+       "020700000000000000010000003700000000000000420000000000000003000000000102"},
+      {Refusal{7, 1, 55, StatusCode::kTimeout, "sizes differ"},
+       "030700000000000000010000003700000000000000020000000c00000073697a657320646966666572"},
+      {Cancellation{7, 2, 3, 4, 5, "timed out"},
+       "0407000000000000000200000003000000040000000000000005000000000000000900000074696d6564"
+       "206f7574"},
+      {MemoryReleased{"owner-key", {3, 1ull << 40}},
+       "05090000006f776e65722d6b65790200000003000000000000000000000000010000"},
+      {ChannelNotice{"sender-key", std::string("\0\7", 2)},
+       "060a00000073656e6465722d6b6579020000000007"},
+  };
+}
+
+std::string hexOf(const std::vector<uint8_t>& bytes) {
+  static const char* kDigits = "0123456789abcdef";
+  std::string hex;
+  for (uint8_t byte : bytes) {
+    hex += kDigits[byte >> 4];
+    hex += kDigits[byte & 15];
+  }
+  return hex;
+}
+
+ControlMessage roundTrip(const ControlMessage& message) {
+  const std::vector<uint8_t> bytes = encode(message);
+  return decode(bytes.data(), bytes.size());
+}
+
+TEST(wireKeepsItsBytes, "wire: each message encodes to the same bytes as before") {
+  for (const Sample& sample : samples()) {
+    const std::string hex = hexOf(encode(sample.message));
+    if (hex != sample.hex) std::printf("  message %zu: %s\n", sample.message.index(), hex.c_str());
+    CHECK(hex == sample.hex);
+  }
+}
+
+TEST(wireRoundTripsEveryMessage, "wire: every message round-trips, field by field") {
+  for (const Sample& sample : samples()) {
+    const ControlMessage back = roundTrip(sample.message);
+    CHECK(back.index() == sample.message.index());
+    CHECK(encode(back) == encode(sample.message));
+  }
+  CHECK(samples().size() == std::variant_size_v<ControlMessage>);
+
+  const auto ready = std::get<ReadyToSend>(roundTrip(sampleReady()));
+  CHECK(ready.group == 0x1122334455667788ull && ready.source == 5 && ready.tag == -2);
+  CHECK(ready.seq == 99 && ready.sendId == 1234);
+  CHECK(ready.desc.bytes == 64 && ready.desc.dtype == "bfloat16" && ready.desc.device == "cuda");
+  CHECK((ready.desc.shape == std::vector<int64_t>{4, 8}));
+  CHECK(ready.channel == ChannelKind::kCopyEngine && ready.promised);
+  ReadyToSend unpromised = sampleReady();
+  unpromised.promised = false;
+  unpromised.channel = ChannelKind::kUcx;
+  unpromised.desc.shape = {};
+  const auto unpromisedBack = std::get<ReadyToSend>(roundTrip(unpromised));
+  CHECK(!unpromisedBack.promised && unpromisedBack.channel == ChannelKind::kUcx);
+  CHECK(unpromisedBack.desc.shape.empty());
+
+  const auto clear = std::get<ClearToSend>(roundTrip(ClearToSend{7, 1, 55, 66, std::string("\0\1\2", 3)}));
+  CHECK(clear.group == 7 && clear.receiver == 1 && clear.sendId == 55 && clear.recvId == 66);
+  CHECK(clear.channelData == std::string("\0\1\2", 3));
+
+  const auto refusal = std::get<Refusal>(roundTrip(Refusal{7, 1, 55, StatusCode::kPeerFailure, "gone"}));
+  CHECK(refusal.group == 7 && refusal.receiver == 1 && refusal.sendId == 55);
+  CHECK(refusal.code == StatusCode::kPeerFailure && refusal.reason == "gone");
+
+  const auto cancellation = std::get<Cancellation>(roundTrip(Cancellation{7, 2, -3, 4, 5, "timed out"}));
+  CHECK(cancellation.group == 7 && cancellation.source == 2 && cancellation.tag == -3);
+  CHECK(cancellation.seq == 4 && cancellation.recvId == 5 && cancellation.reason == "timed out");
+
+  const auto released = std::get<MemoryReleased>(roundTrip(MemoryReleased{"owner-key", {3, 1ull << 40}}));
+  CHECK(released.owner == "owner-key");
+  CHECK((released.ids == std::vector<uint64_t>{3, 1ull << 40}));
+  CHECK(std::get<MemoryReleased>(roundTrip(MemoryReleased{"", {}})).ids.empty());
+
+  const auto notice = std::get<ChannelNotice>(roundTrip(ChannelNotice{"sender-key", std::string("\0\7", 2)}));
+  CHECK(notice.sender == "sender-key" && notice.data == std::string("\0\7", 2));
+}
+
+TEST(wireRejectsTruncatedMessages, "wire: every truncation of every message is refused") {
+  for (const Sample& sample : samples()) {
+    const std::vector<uint8_t> bytes = encode(sample.message);
+    for (size_t length = 0; length < bytes.size(); ++length) {
+      const bool refused = testing::throwsError([&] { decode(bytes.data(), length); },
+                                       "truncated control message (");
+      if (!refused) std::printf("  message %zu cut to %zu B\n", sample.message.index(), length);
+      CHECK(refused);
+    }
+  }
+  const std::vector<uint8_t> clear = encode(ClearToSend{7, 1, 55, 66, "payload"});
+  CHECK(testing::throwsError([&] { decode(clear.data(), clear.size() - 3); },
+                    "truncated control message (clear-to-send: 37 B, needed 40 B)"));
+}
+
+TEST(wireRejectsAHugeCountWithoutAllocating, "wire: a count past the message's end is refused") {
+  std::vector<uint8_t> bytes = encode(MemoryReleased{"o", {1}});
+  bytes[6] = 0xff;  // the ids' count, after the type byte and the 1-byte owner: 4 billion-odd
+  bytes[7] = 0xff;
+  bytes[8] = 0xff;
+  bytes[9] = 0xff;
+  CHECK(testing::throwsError([&] { decode(bytes.data(), bytes.size()); },
+                    "truncated control message (memory-released"));
+}
+
+TEST(wireRejectsAnUnknownType, "wire: an unknown message type is refused") {
+  for (uint8_t type : {uint8_t{0}, uint8_t{7}, uint8_t{255}}) {
+    std::vector<uint8_t> bytes = encode(ChannelNotice{"a", "b"});
+    bytes[0] = type;
+    CHECK(testing::throwsError([&] { decode(bytes.data(), bytes.size()); },
+                      "unknown control message type " + std::to_string(type) + " (known: 1 to 6)"));
+  }
+}
+
+TEST(wireRejectsAnUnknownChannel, "wire: an unknown data channel is refused") {
+  auto bytes = encode(sampleReady());
+  bytes[bytes.size() - 2] = 7;  // the channel: the byte before a ready-to-send's promise
+  CHECK(testing::throwsError([&] { decode(bytes.data(), bytes.size()); },
+                    "unknown data channel 7 in a ready-to-send"));
+}
+
+TEST(wireRejectsAnUnknownStatusCode, "wire: an unknown status code is refused") {
+  auto bytes = encode(Refusal{7, 1, 55, StatusCode::kMismatch, ""});
+  bytes[bytes.size() - 8] = 42;  // the code: 4 bytes before the reason's 4-byte length
+  CHECK(testing::throwsError([&] { decode(bytes.data(), bytes.size()); },
+                    "unknown status code 42 in a refusal"));
+}
+
+TEST(groupIdsFollowTheirNames, "group ids on the wire are equal per name, distinct across names") {
+  CHECK(groupIdOf("0") == groupIdOf("0") && groupIdOf("0") != groupIdOf("1"));
+}
+
+}  // namespace
