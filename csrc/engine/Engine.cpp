@@ -10,11 +10,9 @@
 #include "engine/Error.h"
 #include "engine/Group.h"
 #include "engine/Log.h"
-#include "engine/channels/cuda_ipc/CopyEngineChannel.h"
+#include "engine/channels/copy_engine/CopyEngineChannel.h"
 #include "engine/channels/ucx/UcxChannel.h"
-#include "engine/channels/ucx/UcxReceiveLane.h"
 #include "engine/cuda/CudaDriver.h"
-#include "engine/cuda/StreamMemoryOps.h"
 #include "engine/transports/ucx/UcxContext.h"
 #include "engine/transports/ucx/UcxControl.h"
 #include "engine/transports/ucx/UcxWorker.h"
@@ -41,34 +39,10 @@ int64_t millisSince(Clock::time_point then, Clock::time_point now) {
   return std::chrono::duration_cast<std::chrono::milliseconds>(now - then).count();
 }
 
-// A caller's thread waiting for what another thread or process will do soon: it yields for
-// `spin`, then naps up to 20 µs, so a wait of microseconds costs no sleep's latency and a
-// long one no core. False if `deadline` comes first.
-template <typename Done>
-bool pollUntil(Done done, std::chrono::microseconds spin, Clock::time_point deadline) {
-  const auto spinUntil = Clock::now() + spin;
-  auto nap = std::chrono::microseconds(5);
-  while (!done()) {
-    const auto now = Clock::now();
-    if (now >= deadline) return false;
-    if (now < spinUntil) {
-      std::this_thread::yield();
-    } else {
-      std::this_thread::sleep_for(nap);
-      nap = std::min(nap * 2, std::chrono::microseconds(20));
-    }
-  }
-  return true;
-}
-
 std::string crossHostCuda(const Op& op, const Peer& peer) {
   return concat(op.describe(), " failed: rank ", op.partner(), " (", peer.describe(),
                 ") is on another host, out of reach of the copy engines "
                 "(SMFREE_TRANSPORT=copy_engine); use auto or ucx");
-}
-
-ChannelKind channelKindOf(const Op& op) {
-  return op.cuda ? ChannelKind::kCopyEngine : ChannelKind::kUcx;
 }
 
 const char* channelName(ChannelKind kind) {
@@ -118,20 +92,26 @@ Engine::Engine(Private)
     : config_(Config::fromEnv()),
       ucx_(std::make_unique<UcxContext>(config_)),
       worker_(std::make_unique<UcxWorker>(*ucx_, UcxWorker::Threads::kSingle)),
-      receiveLane_(std::make_unique<UcxReceiveLane>(*ucx_, config_.spin)),
-      flags_(std::make_unique<cuda::FlagSegment>()),
-      local_(PeerAddress::local(worker_->address(), receiveLane_->worker().address(),
-                                flags_->path())) {
+      cudaOps_(std::make_unique<CudaOps>(config_.maxCudaOps)) {
+  const auto onDone = [this](const std::shared_ptr<Op>& op, const Status& status) {
+    onTransferDone(op, status);
+  };
+  auto ucxChannel = std::make_unique<UcxChannel>(*ucx_, *worker_, *cudaOps_, config_, onDone);
+  local_ = PeerAddress::local(worker_->address(), ucxChannel->receiveAddress(),
+                              cudaOps_->flags().path());
   control_ = std::make_unique<UcxControl>(
       *worker_, [this](const void* data, size_t length) { onControlMessage(data, length); });
-  ucxChannel_ = std::make_unique<UcxChannel>(
-      *worker_, *receiveLane_, *flags_, config_.hostStagingPieceBytes,
-      [this](const std::shared_ptr<Op>& op, const Status& status) { onTransferDone(op, status); });
-  copyEngine_ = std::make_unique<CopyEngineChannel>(
-      *flags_, config_.ipcCacheSize, config_.stagingBytes,
-      [this](const std::shared_ptr<Op>& op, const Status& status) { onTransferDone(op, status); },
+  channels_[1] = std::move(ucxChannel);
+  channels_[0] = std::make_unique<CopyEngineChannel>(
+      *cudaOps_, config_.ipcCacheSize, config_.stagingBytes, onDone,
       [this](Peer& peer, std::string data) {
         sendControl(peer, ChannelNotice{local_.processKey, std::move(data)});
+      },
+      [this](const std::string& key, std::vector<uint64_t> ids) {
+        auto it = peers_.find(key);
+        if (it != peers_.end() && !it->second->failed) {
+          sendControl(*it->second, MemoryReleased{local_.processKey, std::move(ids)});
+        }
       });
   progress_ = std::thread([this] { run(); });
   log(LogLevel::kInfo, "engine started on host ", local_.hostname);
@@ -152,15 +132,16 @@ Engine::~Engine() {
   live_.clear();
   groups_.clear();
   peers_.clear();
-  receiveLane_->stop();  // after the endpoints' flushes, which peers' sends may wait on
-  ucxChannel_.reset();
-  copyEngine_.reset();
+  // UCX first, as before the copy engines; its receive lane stops after its endpoints'
+  // flushes, which peers' sends may wait on.
+  channels_[1].reset();
+  channels_[0].reset();
   control_.reset();
 }
 
 void Engine::stop() {
   stopProgressThread();
-  receiveLane_->stop();
+  for (auto& channel : channels_) channel->stop();
 }
 
 void Engine::stopProgressThread() {
@@ -266,10 +247,12 @@ void Engine::run() {
   // buffer has gone to UCX its device's context stays current on this thread.
   cuda::CurrentContext ucxContext;
   while (runCommands()) {
-    if (!heldOps_.empty() && commitments_ == 0) startHeldOps();
-    bool active = copyEngine_->progress();
-    active = ucxChannel_->progress() || active;
-    if (const int device = ucxChannel_->cudaDevice(); device >= 0) ucxContext.use(device);
+    if (!heldOps_.empty() && !committed()) startHeldOps();
+    bool active = false;
+    for (auto& channel : channels_) {
+      active = channel->progress() || active;
+      if (const int device = channel->contextDevice(); device >= 0) ucxContext.use(device);
+    }
     while (worker_->progress() != 0) {
       active = true;
     }
@@ -279,12 +262,12 @@ void Engine::run() {
     }
     if (now - lastScan >= kExpiryScanInterval) {
       checkPeers();
-      recycleFlags();
+      cudaOps_->recycle();
       expireOps(now);
       lastScan = now;
     }
     if (now - lastSweep >= kExportSweepInterval) {
-      announceReleasedMemory();
+      for (auto& channel : channels_) channel->sweep();
       lastSweep = now;
     }
     if (now - lastActivity < config_.spin || !worker_->arm()) {
@@ -313,31 +296,23 @@ void Engine::sleep() {
       events.push_back({peer->watch->fd(), POLLIN, 0});
     }
   }
-  const bool watching = copyEngine_->busy() || ucxChannel_->busy();
+  const bool watching = std::any_of(channels_.begin(), channels_.end(),
+                                   [](const auto& channel) { return channel->busy(); });
   const timespec& timeout = watching ? kMemoryWatchNap : kIdleSleep;
   if (ppoll(events.data(), events.size(), &timeout, nullptr) > 0 && events.size() > 1) {
     checkPeers();
   }
 }
 
-void Engine::announceReleasedMemory() {
-  for (auto& [key, ids] : copyEngine_->sweepExports()) {
-    auto it = peers_.find(key);
-    if (it != peers_.end() && !it->second->failed) {
-      sendControl(*it->second, MemoryReleased{local_.processKey, std::move(ids)});
-    }
-  }
-}
-
 void Engine::onMemoryReleased(const MemoryReleased& message) {
-  copyEngine_->memoryReleased(message.owner, message.ids);
+  channel(ChannelKind::kCopyEngine).onMemoryReleased(message.owner, message.ids);
 }
 
 void Engine::onChannelNotice(const ChannelNotice& message) {
   auto it = peers_.find(message.sender);
   // A failed peer's notices are void: its channel state is gone.
   if (it != peers_.end() && !it->second->failed) {
-    copyEngine_->onNotice(*it->second, message.data);
+    channel(ChannelKind::kCopyEngine).onNotice(*it->second, message.data);
   }
 }
 
@@ -350,8 +325,7 @@ void Engine::checkPeers() {
     if (peer->failed && peer->sameHost && peer->endpoint) {
       peer->endpoint->peerGone();
       peer->endpoint.reset();
-      peer->dataEndpoint->peerGone();
-      peer->dataEndpoint.reset();
+      for (auto& channel : channels_) channel->disconnect(*peer);
     }
   }
 }
@@ -419,7 +393,7 @@ bool Engine::attachPeer(uint64_t groupId, int rank, const PeerAddress& address) 
   auto existing = peers_.find(address.processKey);
   if (existing != peers_.end()) {
     group->peers[rank] = existing->second.get();
-    return ucxChannel_->stagesCudaToward(*existing->second);
+    return channel(ChannelKind::kUcx).route(*existing->second).stagedThroughHost;
   }
   NewPeer added = makePeer(address);
   Peer& peer = *added.peer;
@@ -431,7 +405,7 @@ bool Engine::attachPeer(uint64_t groupId, int rank, const PeerAddress& address) 
     onPeerFailure(address.processKey, *added.unreachable);
     return false;
   }
-  return ucxChannel_->stagesCudaToward(peer);
+  return channel(ChannelKind::kUcx).route(peer).stagedThroughHost;
 }
 
 Engine::NewPeer Engine::makePeer(const PeerAddress& address) {
@@ -443,16 +417,14 @@ Engine::NewPeer Engine::makePeer(const PeerAddress& address) {
     if (!peer->watch->alive()) return {std::move(peer), "the process exited"};
   }
   const std::string key = address.processKey;
-  // Same host: shared memory and CMA need UCX's peer-failure handling off; the watch
-  // notices a dead peer instead.
-  const auto onError = [this, key](ucs_status_t status) {
-    onPeerFailure(key, concat("UCX reported ", ucxStatusText(status)));
-  };
+  const auto onError = [this, key](const std::string& why) { onPeerFailure(key, why); };
   try {
-    peer->endpoint = std::make_unique<UcxEndpoint>(worker_->handle(), address.workerAddress,
-                                                   !peer->sameHost, onError);
-    peer->dataEndpoint = std::make_unique<UcxEndpoint>(
-        worker_->handle(), address.receiveWorkerAddress, !peer->sameHost, onError);
+    // Same host: shared memory and CMA need UCX's peer-failure handling off; the watch
+    // notices a dead peer instead.
+    peer->endpoint = std::make_unique<UcxEndpoint>(
+        worker_->handle(), address.workerAddress, !peer->sameHost,
+        [onError](ucs_status_t status) { onError(concat("UCX reported ", ucxStatusText(status))); });
+    for (auto& channel : channels_) channel->connect(*peer, onError);
   } catch (const Error& error) {
     // UCX cannot attach to the shared memory or socket of an engine that has closed.
     if (peer->endpoint) peer->endpoint->peerGone();  // unreachable: no flush to wait for
@@ -496,7 +468,7 @@ size_t Engine::releasedOpsInFlight(std::optional<uint64_t> groupId) {
   size_t count = 0;
   for (const auto& [id, op] : live_) {
     if (groupId && op->groupId != *groupId) continue;
-    if (!op->finished() && op->ucxCuda && flags_->isSet(op->ucxCuda->queued)) ++count;
+    if (!op->finished() && channelFor(*op).outlivesWait(*op)) ++count;
   }
   return count;
 }
@@ -512,8 +484,8 @@ std::string Engine::dumpPending(uint64_t groupId) {
         << (op->phase == Op::Phase::kMoving
                 ? "moving data"
                 : (op->isSend() ? "waiting for the receiver" : "waiting for a matching send"));
-    if (op->cuda) {
-      out << " [flags " << copyEngine_->describeWait(*op) << "]";
+    if (const std::string wait = channelFor(*op).describeWait(*op); !wait.empty()) {
+      out << " [flags " << wait << "]";
     }
     out << "\n";
   }
@@ -530,21 +502,16 @@ std::string Engine::dumpPending(uint64_t groupId) {
 }
 
 std::map<std::string, int64_t> Engine::stats() {
-  return {{"live_ops", static_cast<int64_t>(live_.size())},
-          {"ipc_mappings", static_cast<int64_t>(copyEngine_->ipcMappings())},
-          {"ipc_exports", static_cast<int64_t>(copyEngine_->ipcExports())},
-          {"flag_words_in_use", static_cast<int64_t>(flags_->inUse())},
-          {"staging_rings", static_cast<int64_t>(copyEngine_->stagingRings())},
-          {"staged_sends", static_cast<int64_t>(copyEngine_->stagedSends())},
-          {"staged_recvs", static_cast<int64_t>(copyEngine_->stagedRecvs())},
-          {"ucx_host_staged_sends", static_cast<int64_t>(ucxChannel_->hostStagedSends())},
-          {"ucx_host_staged_recvs", static_cast<int64_t>(ucxChannel_->hostStagedRecvs())},
-          {"ucx_host_staging_cached_bytes",
-           static_cast<int64_t>(ucxChannel_->hostStagingCachedBytes())}};
+  std::map<std::string, int64_t> stats{
+      {"live_ops", static_cast<int64_t>(live_.size())},
+      {"flag_words_in_use", static_cast<int64_t>(cudaOps_->flags().inUse())}};
+  for (const auto& channel : channels_) channel->addStats(stats);
+  return stats;
 }
 
-bool Engine::needsCudaOnProgressThread(const Op& op) {
-  return op.cuda || (op.ucxCuda && !op.ucxCuda->staging);
+bool Engine::committed() const {
+  return std::any_of(channels_.begin(), channels_.end(),
+                     [](const auto& channel) { return channel->committed(); });
 }
 
 void Engine::startHeldOps() {
@@ -558,13 +525,10 @@ void Engine::startOp(const std::shared_ptr<Op>& op) {
     heldOps_.push_back(op);  // ops start in posting order: they match in it
     return;
   }
-  if (needsCudaOnProgressThread(*op)) {
-    if (promising_) {
-      promising_ = false;
-      stoppedPromising_ = op->describe();
-    }
+  if (channelFor(*op).callsCudaOnProgressThread(*op)) {
+    for (auto& channel : channels_) channel->progressThreadCallsCuda(*op);
     // Its CUDA calls could stall this thread while a peer's stream waits for bytes it moves.
-    if (commitments_ > 0) {
+    if (committed()) {
       heldOps_.push_back(op);
       return;
     }
@@ -584,26 +548,17 @@ void Engine::startOp(const std::shared_ptr<Op>& op) {
                                           peer ? peer->failure : "the peer is not connected")));
       return;
     }
-    if (op->cuda && !peer->sameHost) {
+    if (!channelFor(*op).reaches(*peer)) {
       complete(op, Status::failure(StatusCode::kTransport, crossHostCuda(*op, *peer)));
       return;
     }
     if (op->isSend()) {
       op->seq = group->sendSeq[{op->request.peer, op->request.tag}]++;
-      // A caller-staged send's copies out are queued already (prepareUcxCuda).
-      op->promised = promising_ && op->ucxCuda && op->ucxCuda->staging;
-      if (op->promised) ++commitments_;
-      if (op->ucxCuda && op->ucxCuda->staging && !op->promised) {
-        logOnce("unpromised-send",
-                concat("staged CUDA sends are not promised since this process moved ",
-                       stoppedPromising_, " with CUDA calls on its progress thread: their "
-                       "receivers' wait() holds the CPU until the bytes land"));
-      }
+      const bool promised = channelFor(*op).promiseSend(*op);
       // Announced first: preparing may take a while (pinned memory allocated), and the
       // receiver can match meanwhile.
       sendControl(*peer, ReadyToSend{op->groupId, group->config->rank, op->request.tag, op->seq,
-                                     op->id, op->request.desc, channelKindOf(*op),
-                                     op->promised});
+                                     op->id, op->request.desc, op->channel, promised});
       try {
         channelFor(*op).prepareSend(op, *peer);
       } catch (const Error& error) {
@@ -667,7 +622,7 @@ void Engine::onMatched(GroupState& group, Matcher::Match& match) {
   }
   recv->source = rts.source;
   if (recv->request.onMatched) recv->request.onMatched(rts.source);
-  if (recv->cuda && !sender->sameHost && rts.desc.compatibleWith(recv->request.desc)) {
+  if (!channelFor(*recv).reaches(*sender) && rts.desc.compatibleWith(recv->request.desc)) {
     const std::string why = crossHostCuda(*recv, *sender);
     complete(recv, Status::failure(StatusCode::kTransport, why));
     sendControl(*sender, Refusal{group.id, group.config->rank, rts.sendId,
@@ -687,12 +642,12 @@ void Engine::onMatched(GroupState& group, Matcher::Match& match) {
                                  why});
     return;
   }
-  if (rts.desc.bytes != 0 && rts.channel != channelKindOf(*recv)) {
+  if (rts.desc.bytes != 0 && rts.channel != recv->channel) {
     const std::string why =
         concat("channel mismatch in group '", group.config->name, "', tag ", rts.tag, ": rank ",
                rts.source, " sends ", rts.desc.describe(), " over ", channelName(rts.channel),
                ", rank ", group.config->rank, " receives into ", recv->request.desc.describe(),
-               " over ", channelName(channelKindOf(*recv)),
+               " over ", channelName(recv->channel),
                " (SMFREE_TRANSPORT must be alike on every rank)");
     complete(recv, Status::failure(StatusCode::kMismatch, why));
     sendControl(*sender, Refusal{group.id, group.config->rank, rts.sendId, StatusCode::kMismatch,
@@ -715,27 +670,7 @@ void Engine::onMatched(GroupState& group, Matcher::Match& match) {
     return;
   }
   sendControl(*sender, clear);
-  if (recv->ucxCuda && recv->ucxCuda->staging && !recv->finished()) {
-    // Its copies in may wait on the GPU only for bytes that nothing here has to move: the
-    // sender's are copied out and moved by threads that make no CUDA call (promised), the
-    // clear-to-send has left (an eager control message on a connection of its own), and the
-    // receive lane, which makes no CUDA call while this process promises, marks the pieces.
-    const bool promised = rts.promised && promising_;
-    if (!promised) {
-      logOnce("unpromised-recv",
-              concat(recv->describe(), " and later staged CUDA recvs like it hold the CPU in "
-                     "wait() until their bytes land: ",
-                     rts.promised ? concat("this process moved ", stoppedPromising_,
-                                           " with CUDA calls on its progress thread")
-                                  : std::string("the sender did not promise its send (it "
-                                                "makes CUDA calls on its progress thread)")));
-    }
-    recv->promised = promised;
-    if (promised) ++commitments_;
-    recv->ucxCuda->staging->matched.store(
-        promised ? CallerStaging::kMatchedPromised : CallerStaging::kMatchedUnpromised,
-        std::memory_order_release);
-  }
+  channelFor(*recv).cleared(recv, rts.promised);
 }
 
 void Engine::onClearToSend(const ClearToSend& message) {
@@ -832,7 +767,7 @@ void Engine::onPeerFailure(const std::string& processKey, const std::string& why
                                  concat(op->describe(), " failed: ", peer.failure)));
     if (moving) channelFor(*op).cancel(*op);
   }
-  copyEngine_->peerFailed(peer);
+  for (auto& channel : channels_) channel->peerFailed(peer);
 }
 
 void Engine::expireOps(Clock::time_point now) {
@@ -887,15 +822,8 @@ void Engine::complete(const std::shared_ptr<Op>& op, const Status& status) {
       log(LogLevel::kError, "completion callback of ", op->describe(), " threw: ", error.what());
     }
   }
-  // No copy will signal a failed op or an empty one: no user stream stays parked (a send's
-  // `copied`, never recorded then, holds no wait). After the callback, so a caller that sees
-  // `queued` also sees the error.
-  if (op->cuda && (!status.ok() || op->request.desc.bytes == 0)) {
-    flags_->set(op->cuda->queued);
-    if (!op->isSend()) flags_->set(op->cuda->done);
-  }
-  // A UCX op's waiter, if its copies never set `queued`, waits for the end on the CPU.
-  if (op->ucxCuda) flags_->set(op->ucxCuda->queued);
+  // After the callback, so a caller whose stream wait the channel releases sees the error.
+  channelFor(*op).ended(*op, status);
   release(op);
 }
 
@@ -905,215 +833,8 @@ void Engine::release(const std::shared_ptr<Op>& op) {
   }
   op->released = true;
   op->request.keepalive.reset();
-  if (op->promised) --commitments_;
-  if (op->cuda) {
-    // No copy can touch `done` any more; `ready` waits for its own stream. Events go with
-    // the last holder (a work may still make a stream wait on `copied`).
-    flags_->release(op->cuda->queued);
-    if (!op->isSend()) {
-      flags_->release(op->cuda->done);
-      releaseOnceWritten(op->cuda->ready);
-    }
-    op->cuda->produced.reset();
-    op->cuda->copied.reset();
-    retireCuda();
-  }
-  if (op->ucxCuda) {
-    flags_->release(op->ucxCuda->queued);
-    if (const auto& staging = op->ucxCuda->staging) {
-      if (op->isSend()) {
-        releaseOnceWritten(staging->lastPiece());  // a failed send's copies may still run
-      } else {
-        flags_->release(staging->progress);
-        flags_->release(staging->copiedIn);
-      }
-      staging->host.reset();
-    }
-    op->ucxCuda->reached.reset();
-    op->ucxCuda->copied.reset();
-  }
-  if (op->streamReady) {
-    releaseOnceWritten(*op->streamReady);
-    retireCuda();
-  }
+  channelFor(*op).release(*op);
   live_.erase(op->id);
-}
-
-void Engine::releaseOnceWritten(const cuda::Flag& ready) {
-  // Its stream may still write it: reuse the word only after that write has landed.
-  if (flags_->isSet(ready)) {
-    flags_->release(ready);
-  } else {
-    unreachedReadyFlags_.push_back(ready);
-  }
-}
-
-void Engine::recycleFlags() {
-  auto unreached = std::partition(unreachedReadyFlags_.begin(), unreachedReadyFlags_.end(),
-                                  [this](const cuda::Flag& flag) { return !flags_->isSet(flag); });
-  for (auto it = unreached; it != unreachedReadyFlags_.end(); ++it) flags_->release(*it);
-  unreachedReadyFlags_.erase(unreached, unreachedReadyFlags_.end());
-}
-
-void Engine::admitCuda(std::chrono::milliseconds timeout) {
-  std::unique_lock<std::mutex> lock(cudaInflightMutex_);
-  if (!cudaInflightFreed_.wait_for(lock, timeout,
-                                   [this] { return cudaInflight_ < config_.maxCudaOps; })) {
-    fail(config_.maxCudaOps, " CUDA ops stayed in flight for ", timeout.count(),
-         " ms (SMFREE_MAX_CUDA_OPS): are their partners posted?");
-  }
-  ++cudaInflight_;
-}
-
-void Engine::retireCuda() {
-  {
-    std::lock_guard<std::mutex> lock(cudaInflightMutex_);
-    --cudaInflight_;
-  }
-  cudaInflightFreed_.notify_one();
-}
-
-void Engine::writeFromStream(const Op& op, const cuda::Flag& flag) {
-  cuda::ContextGuard context(op.request.buffer.device);
-  cuda::writeWord(static_cast<CUstream>(op.request.stream), flags_->cudaAddress(flag.index),
-                  flag.value, "cuStreamWriteValue32 (ready)");
-}
-
-CudaFence Engine::prepareCuda(Op& op, std::chrono::milliseconds timeout) {
-  admitCuda(timeout);
-  CudaOpState state;
-  state.queued = flags_->acquire();
-  try {
-    if (op.isSend()) {
-      const int device = op.request.buffer.device;
-      state.produced = cuda::takeEvent(device);
-      state.copied = cuda::takeEvent(device);
-      state.produced->record(static_cast<CUstream>(op.request.stream));
-    } else {
-      state.done = flags_->acquire(kDoneSpan);
-      state.ready = flags_->acquire();
-      writeFromStream(op, state.ready);
-    }
-  } catch (...) {
-    flags_->release(state.queued);
-    // A value of 0 is never handed out: those words were not acquired.
-    if (state.done.value != 0) flags_->release(state.done);
-    if (state.ready.value != 0) flags_->release(state.ready);
-    retireCuda();
-    throw;
-  }
-  op.cuda = state;
-  return CudaFence{state.queued, state.done, state.copied, nullptr};
-}
-
-CudaFence Engine::prepareUcxCuda(Op& op, std::chrono::milliseconds timeout, bool staged) {
-  static std::once_flag announced;
-  std::call_once(announced, [this] {
-    log(LogLevel::kInfo, "CUDA tensors to some ranks move over UCX (SMFREE_TRANSPORT=",
-        config_.transport == Transport::kUcx ? "ucx" : "auto, ranks on other hosts", ")");
-  });
-  admitCuda(timeout);
-  const cuda::Flag ready = flags_->acquire();
-  std::optional<cuda::Flag> queued;
-  try {
-    writeFromStream(op, ready);
-    const int device = op.request.buffer.device;
-    auto reached = cuda::takeEvent(device);
-    auto copied = cuda::takeEvent(device);
-    reached->record(static_cast<CUstream>(op.request.stream));
-    queued = flags_->acquire();
-    op.ucxCuda = UcxCudaState{*queued, std::move(reached), std::move(copied), nullptr};
-    if (staged) op.ucxCuda->staging = stageFromCaller(op);
-  } catch (...) {
-    flags_->release(ready);
-    if (queued) flags_->release(*queued);
-    op.ucxCuda.reset();
-    retireCuda();
-    throw;
-  }
-  op.streamReady = ready;
-  CudaFence fence{op.ucxCuda->queued, {}, op.ucxCuda->copied, nullptr};
-  if (!op.isSend()) fence.stagedRecv = op.ucxCuda->staging;
-  return fence;
-}
-
-std::shared_ptr<CallerStaging> Engine::stageFromCaller(const Op& op) {
-  const Buffer& buffer = op.request.buffer;
-  auto staging = std::make_shared<CallerStaging>();
-  staging->data = buffer.data;
-  staging->bytes = buffer.bytes;
-  staging->device = buffer.device;
-  staging->pieceBytes = stagingPieceBytes(buffer.bytes, config_.hostStagingPieceBytes);
-  staging->pieces =
-      static_cast<uint32_t>(stagingPieceCount(buffer.bytes, staging->pieceBytes));
-  staging->reached = op.ucxCuda->reached;
-  staging->copied = op.ucxCuda->copied;
-  staging->queued = op.ucxCuda->queued;
-  HostStaging& host = ucxChannel_->staging();
-  staging->host = host.take(buffer.device, buffer.bytes);
-  staging->progress = flags_->acquire(staging->pieces);
-  try {
-    if (op.isSend()) {
-      host.copyOutInPieces(*staging, *flags_);
-    } else {
-      staging->copiedIn = flags_->acquire();
-    }
-  } catch (...) {
-    flags_->release(staging->progress);
-    throw;
-  }
-  return staging;
-}
-
-bool Engine::queueCopiesInOnceMatched(CallerStaging& staging) {
-  if (flags_->isSet(staging.queued)) return true;  // queued, or the recv failed
-  // Matched with a promised send, the copies wait on the GPU for bytes whose copies out are
-  // already queued on the sender's GPU, and which no thread that could stall has to move.
-  // Otherwise they are queued only once the bytes are here: a stream must wait for nothing
-  // else.
-  const int matched = staging.matched.load(std::memory_order_acquire);
-  const bool mayQueue =
-      matched == CallerStaging::kMatchedPromised ||
-      (matched == CallerStaging::kMatchedUnpromised && flags_->isSet(staging.lastPiece()));
-  if (!mayQueue) return false;
-  int state = CallerStaging::kCopiesInOpen;
-  if (!staging.copiesIn.compare_exchange_strong(state, CallerStaging::kCopiesInByCaller)) {
-    return false;  // another thread queues them, or the recv failed: `queued` follows
-  }
-  try {
-    ucxChannel_->staging().copyInAsPiecesLand(staging, *flags_);
-  } catch (...) {
-    flags_->set(staging.copiedIn);  // the progress thread must not wait for it
-    flags_->set(staging.queued);
-    throw;
-  }
-  flags_->set(staging.queued);
-  worker_->signal();  // the progress thread watches `copiedIn` from now on
-  return true;
-}
-
-bool Engine::queueCopiesInBy(CallerStaging& staging, Clock::time_point deadline) {
-  return pollUntil([&] { return queueCopiesInOnceMatched(staging); }, config_.spin, deadline);
-}
-
-void Engine::awaitQueued(const cuda::Flag& queued, Clock::time_point deadline) {
-  // Short: the partner has usually posted already. The op's own timeout sets `queued`
-  // before `deadline` comes.
-  if (!pollUntil([&] { return flags_->isSet(queued); }, config_.spin, deadline)) {
-    fail("the partner's copy was not submitted before the deadline");
-  }
-}
-
-void Engine::waitOnStream(void* stream, int device, const CudaFence& fence) {
-  if (fence.copied) {
-    fence.copied->waitOn(static_cast<CUstream>(stream));
-    return;
-  }
-  cuda::ContextGuard context(device);
-  // The flag says a peer's copy engine finished writing our memory over NVLink.
-  cuda::waitForRemoteWrites(static_cast<CUstream>(stream), device,
-                            flags_->cudaAddress(fence.done.index), fence.done.value,
-                            "cuStreamWaitValue32 (done)");
 }
 
 void Engine::sendControl(Peer& peer, const ControlMessage& message) {
@@ -1143,11 +864,6 @@ Peer* Engine::partnerOf(const Op& op) {
     return nullptr;
   }
   return group->peers[rank];
-}
-
-Channel& Engine::channelFor(const Op& op) {
-  if (channelKindOf(op) == ChannelKind::kCopyEngine) return *copyEngine_;
-  return *ucxChannel_;
 }
 
 }  // namespace smfree::engine

@@ -2,9 +2,9 @@
 
 #include <poll.h>
 
+#include <array>
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <future>
@@ -18,7 +18,9 @@
 #include <unordered_map>
 #include <vector>
 
+#include "engine/Channel.h"
 #include "engine/Config.h"
+#include "engine/CudaOps.h"
 #include "engine/Error.h"
 #include "engine/GroupState.h"
 #include "engine/Op.h"
@@ -28,13 +30,9 @@
 
 namespace smfree::engine {
 
-class Channel;
-class CopyEngineChannel;
 class Group;
-class UcxChannel;
 class UcxControl;
 class UcxContext;
-class UcxReceiveLane;
 class UcxWorker;
 
 // One per process, shared by every group: the UCX worker, the control transport, the data
@@ -84,31 +82,11 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::optional<std::string> recordedFailure(
       const std::unordered_map<Key, std::string>& failures, const Key& key);
   uint64_t nextOpId() { return nextOpId_.fetch_add(1); }
-  // On the caller's thread: a CUDA op's flags and events, and what its stream signals at
-  // posting (a recv's `ready` write, a send's `produced` record).
-  CudaFence prepareCuda(Op& op, std::chrono::milliseconds timeout);
-  // On the caller's thread, for a CUDA op over UCX: its stream's `streamReady` write and
-  // `reached` record, and its fence (see UcxCudaState).
-  // `staged`: the op goes through pinned host memory (CallerStaging); a send's copies out are
-  // queued here.
-  CudaFence prepareUcxCuda(Op& op, std::chrono::milliseconds timeout, bool staged);
-  std::shared_ptr<CallerStaging> stageFromCaller(const Op& op);
-  // Caller's thread, a caller-staged recv: queues its copies in, which wait on the GPU for
-  // their pieces to land, and sets `queued`, if its match allows that now; true once `queued`
-  // is set (also by a failure).
-  bool queueCopiesInOnceMatched(CallerStaging& staging);
-  // The same, blocking until it can (a recv's wait()); false if `deadline` comes first.
-  bool queueCopiesInBy(CallerStaging& staging, Clock::time_point deadline);
-  // Queues the write of `flag` on the op's stream (the caller's), in its device's context.
-  void writeFromStream(const Op& op, const cuda::Flag& flag);
-  // Bounds the CUDA ops in flight (flag words, tensors held), blocking the caller before it
-  // enqueues anything on its stream.
-  void admitCuda(std::chrono::milliseconds timeout);
-  void retireCuda();
-  // Blocks the caller until the copy that writes the op's `done` is submitted.
-  void awaitQueued(const cuda::Flag& queued, Clock::time_point deadline);
-  void waitOnStream(void* stream, int device, const CudaFence& fence);
-  // Joins the progress thread; the receive lane keeps running.
+  // The channel of that kind; its caller-thread methods are for any thread.
+  Channel& channel(ChannelKind kind) {
+    return *channels_[kind == ChannelKind::kCopyEngine ? 0 : 1];
+  }
+  // Joins the progress thread; the channels' threads keep running.
   void stopProgressThread();
 
   // Progress thread.
@@ -128,9 +106,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::map<std::string, int64_t> stats();
 
   void startOp(const std::shared_ptr<Op>& op);
-  // Whether the progress thread makes CUDA calls for the op (copy engines, or UCX moving
-  // CUDA memory itself): all but caller-staged ones.
-  static bool needsCudaOnProgressThread(const Op& op);
+  // Whether a channel has commitments in flight (Channel::committed).
+  bool committed() const;
   // Starts the ops held back while commitments were in flight, once none is.
   void startHeldOps();
   void onControlMessage(const void* data, size_t length);
@@ -145,8 +122,6 @@ class Engine : public std::enable_shared_from_this<Engine> {
   void onTransferDone(const std::shared_ptr<Op>& op, const Status& status);
   void onPeerFailure(const std::string& processKey, const std::string& why);
   void checkPeers();
-  void recycleFlags();
-  void releaseOnceWritten(const cuda::Flag& ready);
   bool referencedByOpenGroup(const Peer& peer) const;
   void sleep();
   void expireOps(Clock::time_point now);
@@ -157,17 +132,16 @@ class Engine : public std::enable_shared_from_this<Engine> {
   GroupState* findGroup(uint64_t groupId);
   std::shared_ptr<Op> findLive(uint64_t opId);
   Peer* partnerOf(const Op& op);
-  Channel& channelFor(const Op& op);
+  Channel& channelFor(const Op& op) { return channel(op.channel); }
 
   const Config config_;
   std::unique_ptr<UcxContext> ucx_;
   std::unique_ptr<UcxWorker> worker_;
-  std::unique_ptr<UcxReceiveLane> receiveLane_;
-  std::unique_ptr<cuda::FlagSegment> flags_;
+  std::unique_ptr<CudaOps> cudaOps_;
   PeerAddress local_;
   std::unique_ptr<UcxControl> control_;
-  std::unique_ptr<UcxChannel> ucxChannel_;
-  std::unique_ptr<CopyEngineChannel> copyEngine_;
+  // The copy engines, then UCX: the order in which the progress loop drives them.
+  std::array<std::unique_ptr<Channel>, 2> channels_;
 
   std::mutex commandsMutex_;
   std::deque<std::function<void()>> commands_;
@@ -179,10 +153,6 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::atomic<uint64_t> nextOpId_{1};
   std::thread progress_;
 
-  std::mutex cudaInflightMutex_;
-  std::condition_variable cudaInflightFreed_;
-  size_t cudaInflight_ = 0;
-
   std::mutex failuresMutex_;
   std::unordered_map<std::string, std::string> failures_;  // processKey -> why
   std::unordered_map<uint64_t, std::string> failedAfterWait_;  // group id -> why
@@ -193,15 +163,9 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::unordered_map<std::string, std::unique_ptr<Peer>> peers_;
   std::unordered_map<uint64_t, std::shared_ptr<Op>> live_;
   std::unordered_map<uint64_t, std::vector<ReadyToSend>> orphans_;  // for groups not joined yet
-  std::vector<cuda::Flag> unreachedReadyFlags_;  // freed once their stream has written them
   std::vector<pollfd> sleepEvents_;
-  // While true, this thread and the receive lane have made no CUDA call, so staged sends are
-  // announced as promised. The first op that needs one ends it for good; that op waits in
-  // heldOps_ until no commitment is in flight: no promised send still moving (a receiver's
-  // stream may wait for it), no recv whose copies in wait on a promised send.
-  bool promising_ = true;
-  std::string stoppedPromising_;  // the op that ended it
-  size_t commitments_ = 0;
+  // Ops that make CUDA calls on this thread, held while a channel is committed, and the ops
+  // posted after them (ops start in posting order).
   std::deque<std::shared_ptr<Op>> heldOps_;
 };
 

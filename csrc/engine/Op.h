@@ -7,9 +7,9 @@
 #include <optional>
 #include <string>
 
-#include "engine/CudaOp.h"
 #include "engine/Status.h"
 #include "engine/TensorDesc.h"
+#include "engine/Wire.h"
 
 namespace smfree::engine {
 
@@ -47,6 +47,11 @@ struct OpRequest {
 
 struct GroupConfig;
 
+// A channel's own state of an op, from its post to its release; each channel defines its kind.
+struct OpChannelState {
+  virtual ~OpChannelState() = default;
+};
+
 // An op inside the engine. Touched only on the progress thread once posted.
 struct Op {
   enum class Phase {
@@ -67,14 +72,9 @@ struct Op {
   int source = -1;         // recv: the rank it was matched with
   int outstanding = 0;     // transport requests that still reference the buffer
   bool released = false;
-  std::optional<CudaOpState> cuda;  // a CUDA op on the copy engines
-  // A CUDA op over UCX: written by the caller's stream once the work queued before the op is
-  // done; UCX touches the buffer only after that.
-  std::optional<cuda::Flag> streamReady;
-  std::optional<UcxCudaState> ucxCuda;  // a CUDA op over UCX
-  // A send announced as promised, or a recv matched with one whose copies in may wait on the
-  // GPU (Engine::commitments_).
-  bool promised = false;
+  ChannelKind channel = ChannelKind::kUcx;  // chosen at the post; CPU tensors go over UCX
+  // What the channel took for the op at its post (flags, events, staging): CUDA ops only.
+  std::unique_ptr<OpChannelState> channelState;
 
   bool isSend() const { return request.kind == OpKind::kSend; }
   bool finished() const { return phase == Phase::kDone; }

@@ -5,7 +5,6 @@
 #include <vector>
 
 #include "engine/ProcessWatch.h"
-#include "engine/cuda/FlagSegment.h"
 #include "engine/transports/ucx/UcxEndpoint.h"
 
 namespace smfree::engine {
@@ -34,11 +33,9 @@ struct Peer {
   PeerAddress address;
   bool sameHost = false;
   std::unique_ptr<ProcessWatch> watch;  // same-host peers: UCX cannot notice their death
-  // To its engine's worker and to its receive lane; null once a failed same-host peer was
-  // closed.
+  // To its engine's worker, for control messages (what the channels keep per peer is
+  // theirs); null once a failed same-host peer was closed.
   std::unique_ptr<UcxEndpoint> endpoint;
-  std::unique_ptr<UcxEndpoint> dataEndpoint;
-  std::unique_ptr<cuda::RemoteFlagSegment> flags;  // mapped on the first CUDA transfer
   bool failed = false;
   std::string failure;
 
