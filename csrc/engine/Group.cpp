@@ -64,17 +64,13 @@ void Group::connect(int rank) {
     return;
   }
   const PeerAddress address = PeerAddress::decode(store_->get(addressKey(rank)));
-  const uint64_t id = id_;
-  Engine* engine = engine_.get();
-  const bool stagesCuda = engine_->call<bool>(
-      [engine, id, rank, address] { return engine->attachPeer(id, rank, address); }, timeout(),
-      "connecting to a peer");
-  stagesCuda_[rank] = stagesCuda;
+  const PeerRoute route = engine_->connect(id_, rank, address, timeout());
+  stagesCuda_[rank] = route.stagedThroughHost;
   {
     std::lock_guard<std::mutex> lock(keysMutex_);
     processKeys_[rank] = address.processKey;
   }
-  sameHost_[rank] = address.hostKey == engine_->local_.hostKey;
+  sameHost_[rank] = address.hostKey == engine_->localAddress().hostKey;
   connected_[rank].store(true, std::memory_order_release);
 }
 
@@ -103,8 +99,7 @@ std::optional<CudaFence> Group::post(OpRequest request) {
   }
   op->posted = Clock::now();
   op->deadline = op->posted + timeout();
-  Engine* engine = engine_.get();
-  engine_->submit([engine, op] { engine->startOp(op); });
+  engine_->post(std::move(op));
   return fence;
 }
 
@@ -167,10 +162,12 @@ bool Group::queueCopiesInOnceMatched(const CudaFence& fence) {
   return engine_->channel(fence.channel).fenceQueued(fence);
 }
 
-std::optional<std::string> Group::failureAfterWait() { return engine_->failureAfterWait(id_); }
+std::optional<std::string> Group::failureAfterWait() {
+  return engine_->failures().afterWait(id_);
+}
 
 void Group::recordFailureAfterWait(std::string why) {
-  engine_->recordFailureAfterWait(id_, std::move(why));
+  engine_->failures().recordAfterWait(id_, std::move(why));
 }
 
 void Group::waitOnStream(void* stream, int device, const CudaFence& fence) {
@@ -181,17 +178,14 @@ void Group::close(StatusCode code, const std::string& reason, bool abort) {
   if (closed_.exchange(true)) {
     return;
   }
-  const uint64_t id = id_;
   // Ops whose wait() has returned still owe their peers the bytes, or their streams the copies
   // in; their own timeouts bound this.
-  if (!abort) engine_->awaitReleasedOps(id, Clock::now() + timeout());
-  Engine* engine = engine_.get();
-  engine_->call<void>([engine, id, code, reason] { engine->closeGroup(id, code, reason); },
-                      std::chrono::seconds(60), "closing the group");
+  if (!abort) engine_->awaitReleasedOps(id_, Clock::now() + timeout());
+  engine_->closeGroup(id_, code, reason);
 }
 
 std::optional<std::string> Group::peerFailure(int rank) {
-  if (!engine_->anyFailure_.load(std::memory_order_acquire)) {
+  if (!engine_->failures().any()) {
     return std::nullopt;
   }
   std::string key;
@@ -199,20 +193,11 @@ std::optional<std::string> Group::peerFailure(int rank) {
     std::lock_guard<std::mutex> lock(keysMutex_);
     key = processKeys_[rank];
   }
-  return key.empty() ? std::nullopt : engine_->failureOf(key);
+  return key.empty() ? std::nullopt : engine_->failures().ofPeer(key);
 }
 
-std::string Group::dumpPending() {
-  const uint64_t id = id_;
-  Engine* engine = engine_.get();
-  return engine_->call<std::string>([engine, id] { return engine->dumpPending(id); },
-                                    std::chrono::seconds(10), "dumping pending ops");
-}
+std::string Group::dumpPending() { return engine_->dumpPending(id_); }
 
-std::map<std::string, int64_t> Group::stats() {
-  Engine* engine = engine_.get();
-  return engine_->call<std::map<std::string, int64_t>>([engine] { return engine->stats(); },
-                                                       std::chrono::seconds(10), "reading stats");
-}
+std::map<std::string, int64_t> Group::stats() { return engine_->stats(); }
 
 }  // namespace smfree::engine
