@@ -30,6 +30,24 @@ std::string mismatchMessage(const GroupConfig& group, const ReadyToSend& send, c
                 ", which receives into ", recv.request.desc.describe());
 }
 
+// The moves Rendezvous::transition() makes: one step forward, or to kEnded from any state
+// before it; to kReleased only once no channel holds the buffer.
+bool allowed(const Op& op, OpState next) {
+  switch (next) {
+    case OpState::kPosted:
+      return false;
+    case OpState::kWaiting:
+      return op.state == OpState::kPosted;
+    case OpState::kMoving:
+      return op.state == OpState::kWaiting;
+    case OpState::kEnded:
+      return op.state < OpState::kEnded;
+    case OpState::kReleased:
+      return op.state == OpState::kEnded && op.outstanding == 0;
+  }
+  return false;
+}
+
 }  // namespace
 
 Rendezvous::Rendezvous(Channels& channels, PeerTable& peers, Failures& failures,
@@ -42,8 +60,8 @@ void Rendezvous::shutDown() {
   for (const auto& [id, op] : live_) left.push_back(op);
   left.insert(left.end(), heldOps_.begin(), heldOps_.end());
   for (const std::shared_ptr<Op>& op : left) {
-    complete(op, Status::failure(StatusCode::kAborted,
-                                 concat(op->describe(), " failed: the smfree engine shut down")));
+    const std::string why = concat(op->describe(), " failed: the smfree engine shut down");
+    failOp(op, StatusCode::kAborted, why);
   }
   heldOps_.clear();
   live_.clear();
@@ -86,8 +104,8 @@ void Rendezvous::closeGroup(uint64_t groupId, StatusCode code, const std::string
     if (op->groupId == groupId && !op->finished()) affected.push_back(op);
   }
   for (auto& op : affected) {
-    const bool moving = op->phase == Op::Phase::kMoving;
-    complete(op, Status::failure(code, concat(op->describe(), " failed: ", reason)));
+    const bool moving = op->state == OpState::kMoving;
+    failOp(op, code, concat(op->describe(), " failed: ", reason));
     if (moving) channels_.of(*op).cancel(*op);
   }
   group->matcher.clear();
@@ -96,7 +114,7 @@ void Rendezvous::closeGroup(uint64_t groupId, StatusCode code, const std::string
     if (op->groupId != groupId) {
       held.push_back(op);
     } else {
-      complete(op, Status::failure(code, concat(op->describe(), " failed: ", reason)));
+      failOp(op, code, concat(op->describe(), " failed: ", reason));
     }
   }
   heldOps_.swap(held);
@@ -121,7 +139,7 @@ std::string Rendezvous::dumpPending(uint64_t groupId) {
     if (op->groupId != groupId || op->finished()) continue;
     ++count;
     out << "  " << op->describe() << ", posted " << millisSince(op->posted, now) << " ms ago, "
-        << (op->phase == Op::Phase::kMoving
+        << (op->state == OpState::kMoving
                 ? "moving data"
                 : (op->isSend() ? "waiting for the receiver" : "waiting for a matching send"));
     if (const std::string wait = channels_.of(*op).describeWait(*op); !wait.empty()) {
@@ -148,6 +166,26 @@ void Rendezvous::startHeldOps() {
   for (const std::shared_ptr<Op>& op : held) startOp(op);
 }
 
+std::optional<Status> Rendezvous::refusalAtStart(const Op& op, const GroupState* group) {
+  if (!group || group->closed) {
+    return Status::failure(StatusCode::kAborted,
+                           concat(op.describe(), " failed: the group is closed"));
+  }
+  if (op.request.peer == kAnySource) {
+    return std::nullopt;
+  }
+  const Peer* peer = group->peers[op.request.peer];
+  if (!peer || peer->failed) {
+    return Status::failure(StatusCode::kPeerFailure,
+                           concat(op.describe(), " failed: ",
+                                  peer ? peer->failure : "the peer is not connected"));
+  }
+  if (!channels_.of(op).reaches(*peer)) {
+    return Status::failure(StatusCode::kTransport, crossHostCuda(op, *peer));
+  }
+  return std::nullopt;
+}
+
 void Rendezvous::startOp(const std::shared_ptr<Op>& op) {
   thread_.check("Rendezvous::startOp");
   if (!heldOps_.empty()) {
@@ -163,39 +201,27 @@ void Rendezvous::startOp(const std::shared_ptr<Op>& op) {
     }
   }
   GroupState* group = findGroup(op->groupId);
-  if (!group || group->closed) {
-    complete(op, Status::failure(StatusCode::kAborted,
-                                 concat(op->describe(), " failed: the group is closed")));
+  if (const auto refusal = refusalAtStart(*op, group)) {
+    transition(op, OpState::kEnded, *refusal);
     return;
   }
   live_.emplace(op->id, op);
-  if (op->request.peer != kAnySource) {
-    Peer* peer = group->peers[op->request.peer];
-    if (!peer || peer->failed) {
-      complete(op, Status::failure(StatusCode::kPeerFailure,
-                                   concat(op->describe(), " failed: ",
-                                          peer ? peer->failure : "the peer is not connected")));
-      return;
+  transition(op, OpState::kWaiting);
+  if (op->isSend()) {
+    Peer& peer = *group->peers[op->request.peer];
+    op->seq = group->sendSeq[{op->request.peer, op->request.tag}]++;
+    const bool promised = channels_.of(*op).promiseSend(*op);
+    // Announced first: preparing may take a while (pinned memory allocated), and the receiver
+    // can match meanwhile.
+    peers_.send(peer, ReadyToSend{op->groupId, group->config->rank, op->request.tag, op->seq,
+                                  op->id, op->request.desc, op->channel, promised});
+    try {
+      channels_.of(*op).prepareSend(op, peer);
+    } catch (const Error& error) {
+      // Its clear-to-send then finds it failed and tells the receiver.
+      failOp(op, StatusCode::kTransport, error.what());
     }
-    if (!channels_.of(*op).reaches(*peer)) {
-      complete(op, Status::failure(StatusCode::kTransport, crossHostCuda(*op, *peer)));
-      return;
-    }
-    if (op->isSend()) {
-      op->seq = group->sendSeq[{op->request.peer, op->request.tag}]++;
-      const bool promised = channels_.of(*op).promiseSend(*op);
-      // Announced first: preparing may take a while (pinned memory allocated), and the
-      // receiver can match meanwhile.
-      peers_.send(*peer, ReadyToSend{op->groupId, group->config->rank, op->request.tag, op->seq,
-                                     op->id, op->request.desc, op->channel, promised});
-      try {
-        channels_.of(*op).prepareSend(op, *peer);
-      } catch (const Error& error) {
-        // Its clear-to-send then finds it failed and tells the receiver.
-        complete(op, Status::failure(StatusCode::kTransport, error.what()));
-      }
-      return;
-    }
+    return;
   }
   if (auto match = group->matcher.postRecv(op)) {
     onMatched(*group, *match);
@@ -218,15 +244,47 @@ void Rendezvous::onReadyToSend(const ReadyToSend& message) {
   }
 }
 
+std::optional<Rendezvous::MatchRefusal> Rendezvous::refusalOfMatch(const GroupState& group,
+                                                                   const Matcher::Match& match,
+                                                                   const Peer& sender) {
+  const Op& recv = *match.recv;
+  const ReadyToSend& rts = match.announcement.rts;
+  const bool compatible = rts.desc.compatibleWith(recv.request.desc);
+  if (!channels_.of(recv).reaches(sender) && compatible) {
+    return MatchRefusal{Status::failure(StatusCode::kTransport, crossHostCuda(recv, sender)), true};
+  }
+  if (match.announcement.cancelled) {
+    return MatchRefusal{Status::failure(StatusCode::kTimeout,
+                                        concat(recv.describe(),
+                                               " failed: the matching send gave up: ",
+                                               match.announcement.cancelReason)),
+                        false};
+  }
+  if (!compatible) {
+    return MatchRefusal{
+        Status::failure(StatusCode::kMismatch, mismatchMessage(*group.config, rts, recv)), true};
+  }
+  if (rts.desc.bytes != 0 && rts.channel != recv.channel) {
+    const std::string why =
+        concat("channel mismatch in group '", group.config->name, "', tag ", rts.tag, ": rank ",
+               rts.source, " sends ", rts.desc.describe(), " over ", channelName(rts.channel),
+               ", rank ", group.config->rank, " receives into ", recv.request.desc.describe(),
+               " over ", channelName(recv.channel),
+               " (SMFREE_TRANSPORT must be alike on every rank)");
+    return MatchRefusal{Status::failure(StatusCode::kMismatch, why), true};
+  }
+  return std::nullopt;
+}
+
 void Rendezvous::onMatched(GroupState& group, Matcher::Match& match) {
   const std::shared_ptr<Op>& recv = match.recv;
   const ReadyToSend& rts = match.announcement.rts;
   Peer* sender = group.peers[rts.source];
   if (!sender) {
     // Cannot happen for a specific recv (it connects first); any-source recvs connect to all.
-    complete(recv, Status::failure(StatusCode::kTransport,
-                                   concat(recv->describe(), " matched rank ", rts.source,
-                                          ", which it is not connected to")));
+    failOp(recv, StatusCode::kTransport,
+           concat(recv->describe(), " matched rank ", rts.source,
+                  ", which it is not connected to"));
     return;
   }
   if (recv->finished()) {
@@ -238,49 +296,25 @@ void Rendezvous::onMatched(GroupState& group, Matcher::Match& match) {
   }
   recv->source = rts.source;
   if (recv->request.onMatched) recv->request.onMatched(rts.source);
-  if (!channels_.of(*recv).reaches(*sender) && rts.desc.compatibleWith(recv->request.desc)) {
-    const std::string why = crossHostCuda(*recv, *sender);
-    complete(recv, Status::failure(StatusCode::kTransport, why));
-    peers_.send(*sender, Refusal{group.id, group.config->rank, rts.sendId,
-                                 StatusCode::kTransport, why});
-    return;
-  }
-  if (match.announcement.cancelled) {
-    complete(recv, Status::failure(StatusCode::kTimeout,
-                                   concat(recv->describe(), " failed: the matching send gave up: ",
-                                          match.announcement.cancelReason)));
-    return;
-  }
-  if (!rts.desc.compatibleWith(recv->request.desc)) {
-    const std::string why = mismatchMessage(*group.config, rts, *recv);
-    complete(recv, Status::failure(StatusCode::kMismatch, why));
-    peers_.send(*sender, Refusal{group.id, group.config->rank, rts.sendId, StatusCode::kMismatch,
-                                 why});
-    return;
-  }
-  if (rts.desc.bytes != 0 && rts.channel != recv->channel) {
-    const std::string why =
-        concat("channel mismatch in group '", group.config->name, "', tag ", rts.tag, ": rank ",
-               rts.source, " sends ", rts.desc.describe(), " over ", channelName(rts.channel),
-               ", rank ", group.config->rank, " receives into ", recv->request.desc.describe(),
-               " over ", channelName(recv->channel),
-               " (SMFREE_TRANSPORT must be alike on every rank)");
-    complete(recv, Status::failure(StatusCode::kMismatch, why));
-    peers_.send(*sender, Refusal{group.id, group.config->rank, rts.sendId, StatusCode::kMismatch,
-                                 why});
+  if (const auto refusal = refusalOfMatch(group, match, *sender)) {
+    transition(recv, OpState::kEnded, refusal->status);
+    if (refusal->tellSender) {
+      peers_.send(*sender, Refusal{group.id, group.config->rank, rts.sendId, refusal->status.code,
+                                   refusal->status.message});
+    }
     return;
   }
   ClearToSend clear{group.id, group.config->rank, rts.sendId, recv->id, {}};
   if (rts.desc.bytes == 0) {
-    complete(recv, Status::success());
+    transition(recv, OpState::kEnded, Status::success());
     peers_.send(*sender, clear);
     return;
   }
-  recv->phase = Op::Phase::kMoving;
+  transition(recv, OpState::kMoving);
   try {
     clear.channelData = channels_.of(*recv).armRecv(recv, *sender);
   } catch (const Error& error) {
-    complete(recv, Status::failure(StatusCode::kTransport, error.what()));
+    failOp(recv, StatusCode::kTransport, error.what());
     peers_.send(*sender, Refusal{group.id, group.config->rank, rts.sendId,
                                  StatusCode::kTransport, error.what()});
     return;
@@ -307,31 +341,31 @@ void Rendezvous::onClearToSend(const ClearToSend& message) {
     return;
   }
   if (send->request.desc.bytes == 0) {
-    complete(send, Status::success());
+    transition(send, OpState::kEnded, Status::success());
     return;
   }
   if (!receiver) {
-    complete(send, Status::failure(StatusCode::kTransport,
-                                   concat(send->describe(), " was cleared by an unknown rank")));
+    failOp(send, StatusCode::kTransport,
+           concat(send->describe(), " was cleared by an unknown rank"));
     return;
   }
   if (receiver->failed) {
-    complete(send, Status::failure(StatusCode::kPeerFailure,
-                                   concat(send->describe(), " failed: ", receiver->failure)));
+    failOp(send, StatusCode::kPeerFailure,
+           concat(send->describe(), " failed: ", receiver->failure));
     return;
   }
-  send->phase = Op::Phase::kMoving;
+  transition(send, OpState::kMoving);
   try {
     channels_.of(*send).startSend(send, *receiver, message.channelData);
   } catch (const Error& error) {
-    complete(send, Status::failure(StatusCode::kTransport, error.what()));
+    failOp(send, StatusCode::kTransport, error.what());
   }
 }
 
 void Rendezvous::onRefusal(const Refusal& message) {
   thread_.check("Rendezvous::onRefusal");
   if (std::shared_ptr<Op> send = findLive(message.sendId)) {
-    complete(send, Status::failure(message.code, message.reason));
+    failOp(send, message.code, message.reason);
   }
 }
 
@@ -345,8 +379,7 @@ void Rendezvous::onCancellation(const Cancellation& message) {
     // Also for a recv that already failed (timed out, group closed): its channel may still
     // hold the buffer for bytes that will now never come.
     const bool armed = recv->outstanding > 0;
-    complete(recv, Status::failure(StatusCode::kTimeout,
-                                   concat(recv->describe(), " failed: ", message.reason)));
+    failOp(recv, StatusCode::kTimeout, concat(recv->describe(), " failed: ", message.reason));
     if (armed) channels_.of(*recv).partnerGaveUp(*recv);
     return;
   }
@@ -357,8 +390,8 @@ void Rendezvous::onCancellation(const Cancellation& message) {
 
 void Rendezvous::onTransferDone(const std::shared_ptr<Op>& op, const Status& status) {
   thread_.check("Rendezvous::onTransferDone");
-  complete(op, status);
-  release(op);
+  transition(op, OpState::kEnded, status);
+  transition(op, OpState::kReleased);
 }
 
 void Rendezvous::peerFailed(Peer& peer, const std::string& why) {
@@ -371,9 +404,8 @@ void Rendezvous::peerFailed(Peer& peer, const std::string& why) {
   const bool matters = !affected.empty() || referencedByOpenGroup(peer);
   log(matters ? LogLevel::kWarn : LogLevel::kDebug, "peer ", peer.describe(), " failed: ", why);
   for (auto& op : affected) {
-    const bool moving = op->phase == Op::Phase::kMoving;
-    complete(op, Status::failure(StatusCode::kPeerFailure,
-                                 concat(op->describe(), " failed: ", peer.failure)));
+    const bool moving = op->state == OpState::kMoving;
+    failOp(op, StatusCode::kPeerFailure, concat(op->describe(), " failed: ", peer.failure));
     if (moving) channels_.of(*op).cancel(*op);
   }
 }
@@ -398,13 +430,13 @@ void Rendezvous::expireOps(Clock::time_point now) {
 void Rendezvous::expire(const std::shared_ptr<Op>& op, Clock::time_point now) {
   const int64_t age = millisSince(op->posted, now);
   const int64_t limit = millisSince(op->posted, op->deadline);
-  const bool moving = op->phase == Op::Phase::kMoving;
+  const bool moving = op->state == OpState::kMoving;
   const std::string why = concat(
       op->describe(),
       moving ? " did not finish"
              : (op->isSend() ? " was not matched by a recv" : " was not matched by a send"),
       " within the group timeout of ", limit, " ms (posted ", age, " ms ago)");
-  complete(op, Status::failure(StatusCode::kTimeout, why));
+  failOp(op, StatusCode::kTimeout, why);
   if (moving) {
     channels_.of(*op).cancel(*op);
   }
@@ -417,33 +449,34 @@ void Rendezvous::expire(const std::shared_ptr<Op>& op, Clock::time_point now) {
   }
 }
 
-void Rendezvous::complete(const std::shared_ptr<Op>& op, const Status& status) {
-  if (op->finished()) {
-    return;
-  }
-  op->phase = Op::Phase::kDone;
-  OpCallback callback = std::move(op->request.onComplete);
-  op->request.onComplete = nullptr;
-  if (callback) {
-    try {
-      callback(status, op->source);
-    } catch (const std::exception& error) {
-      log(LogLevel::kError, "completion callback of ", op->describe(), " threw: ", error.what());
-    }
-  }
-  // After the callback, so a caller whose stream wait the channel releases sees the error.
-  channels_.of(*op).ended(*op, status);
-  release(op);
+void Rendezvous::failOp(const std::shared_ptr<Op>& op, StatusCode code, std::string why) {
+  transition(op, OpState::kEnded, Status::failure(code, std::move(why)));
 }
 
-void Rendezvous::release(const std::shared_ptr<Op>& op) {
-  if (!op->finished() || op->outstanding != 0 || op->released) {
-    return;
+bool Rendezvous::transition(const std::shared_ptr<Op>& op, OpState next, const Status& status) {
+  if (!allowed(*op, next)) {
+    return false;
   }
-  op->released = true;
-  op->request.keepalive.reset();
-  channels_.of(*op).release(*op);
-  live_.erase(op->id);
+  op->state = next;
+  if (next == OpState::kEnded) {
+    OpCallback callback = std::move(op->request.onComplete);
+    op->request.onComplete = nullptr;
+    if (callback) {
+      try {
+        callback(status, op->source);
+      } catch (const std::exception& error) {
+        log(LogLevel::kError, "completion callback of ", op->describe(), " threw: ", error.what());
+      }
+    }
+    // After the callback, so a caller whose stream wait the channel releases sees the error.
+    channels_.of(*op).ended(*op, status);
+    transition(op, OpState::kReleased);
+  } else if (next == OpState::kReleased) {
+    op->request.keepalive.reset();
+    channels_.of(*op).release(*op);
+    live_.erase(op->id);
+  }
+  return true;
 }
 
 GroupState* Rendezvous::findGroup(uint64_t groupId) {

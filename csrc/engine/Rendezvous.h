@@ -23,8 +23,8 @@ namespace smfree::engine {
 // thread to its release: a send is announced to its receiver (ReadyToSend), which matches it
 // with a recv in posting order and clears it (ClearToSend, with what the channel needs to
 // deliver the bytes) or refuses it (Refusal); a side that gives up tells the other
-// (Cancellation). Owns the groups, as the progress thread sees them, and the live ops.
-// Progress thread only.
+// (Cancellation). Owns the groups, as the progress thread sees them, and the live ops, whose
+// state (OpState) changes in transition() alone. Progress thread only.
 class Rendezvous {
  public:
   Rendezvous(Channels& channels, PeerTable& peers, Failures& failures,
@@ -59,11 +59,31 @@ class Rendezvous {
   size_t liveOps() const { return live_.size(); }
 
  private:
+  // Why a refused match is refused, and whether the sender is to hear it (one that cancelled
+  // its send knows).
+  struct MatchRefusal {
+    Status status;
+    bool tellSender;
+  };
+
+  // Moves the op to `next` and does what entering it takes: kEnded tells the caller `status`
+  // and lets the channel release the caller's stream waits; kReleased gives the channel's
+  // resources back and forgets the op. An ended op is released at once unless a channel
+  // still holds its buffer. Returns false, changing nothing, where the op's state does not
+  // allow the move (an op ends once; it is released once no channel holds it).
+  bool transition(const std::shared_ptr<Op>& op, OpState next,
+                  const Status& status = Status::success());
+  // Ends the op with that failure (transition() to kEnded).
+  void failOp(const std::shared_ptr<Op>& op, StatusCode code, std::string why);
+  // Why a starting op is refused: its group closed, its peer failed, or its channel cannot
+  // reach the peer.
+  std::optional<Status> refusalAtStart(const Op& op, const GroupState* group);
+  // Why a matched recv refuses the send: its channel cannot reach the sender, the sender gave
+  // up, or the two disagree on size, dtype, device or channel.
+  std::optional<MatchRefusal> refusalOfMatch(const GroupState& group, const Matcher::Match& match,
+                                             const Peer& sender);
   void onMatched(GroupState& group, Matcher::Match& match);
   void expire(const std::shared_ptr<Op>& op, Clock::time_point now);
-  // Tells the caller the outcome, once; the op is released as soon as no channel holds it.
-  void complete(const std::shared_ptr<Op>& op, const Status& status);
-  void release(const std::shared_ptr<Op>& op);
   std::shared_ptr<Op> findLive(uint64_t opId);
   Peer* partnerOf(const Op& op);
   bool referencedByOpenGroup(const Peer& peer) const;
