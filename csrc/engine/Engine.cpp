@@ -56,11 +56,12 @@ Engine::Engine(Private)
   const Channel::Done onDone = [this](const std::shared_ptr<Op>& op, const Status& status) {
     rendezvous_->onTransferDone(op, status);
   };
-  auto ucx = std::make_unique<UcxChannel>(*ucx_, *worker_, *cudaOps_, config_, onDone);
+  auto ucx =
+      std::make_unique<UcxChannel>(*ucx_, *worker_, *cudaOps_, thread_, config_, onDone);
   local_ = PeerAddress::local(worker_->address(), ucx->receiveAddress(),
                               cudaOps_->flags().path());
   auto copyEngine = std::make_unique<CopyEngineChannel>(
-      *cudaOps_, config_.ipcCacheSize, config_.stagingBytes, onDone,
+      *cudaOps_, thread_, config_.ipcCacheSize, config_.stagingBytes, onDone,
       [this](Peer& peer, std::string data) {
         peers_->send(peer, ChannelNotice{local_.processKey, std::move(data)});
       },

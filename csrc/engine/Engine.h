@@ -81,10 +81,10 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::unique_ptr<UcxContext> ucx_;
   std::unique_ptr<UcxWorker> worker_;
   std::unique_ptr<CudaOps> cudaOps_;
+  ProgressThread thread_;
   std::unique_ptr<Channels> channels_;
   PeerAddress local_;
   std::unique_ptr<UcxControl> control_;
-  ProgressThread thread_;
   Failures failures_;
   std::unique_ptr<PeerTable> peers_;
   std::unique_ptr<Rendezvous> rendezvous_;

@@ -32,10 +32,11 @@ struct StagedNotice {
 
 }  // namespace
 
-CopyEngineChannel::CopyEngineChannel(CudaOps& cudaOps, size_t ipcCacheSize,
-                                     uint64_t stagingBytes, Done onDone, Notify notify,
-                                     Release release)
+CopyEngineChannel::CopyEngineChannel(CudaOps& cudaOps, const ProgressThread& thread,
+                                     size_t ipcCacheSize, uint64_t stagingBytes, Done onDone,
+                                     Notify notify, Release release)
     : cudaOps_(cudaOps),
+      thread_(thread),
       flags_(cudaOps.flags()),
       ipc_(ipcCacheSize),
       stagingBytes_(stagingBytes),
@@ -69,6 +70,7 @@ cuda::RemoteFlagSegment& CopyEngineChannel::flagsOf(const Peer& peer) {
 }
 
 std::string CopyEngineChannel::armRecv(const std::shared_ptr<Op>& recv, Peer& source) {
+  thread_.check("CopyEngineChannel::armRecv");
   const CopyEngineOp& state = copyEngineOp(*recv);
   const Buffer& buffer = recv->request.buffer;
   std::string destination;
@@ -113,6 +115,7 @@ CopyEngineChannel::Clearance CopyEngineChannel::readClearance(const Op& send, Pe
 
 void CopyEngineChannel::startSend(const std::shared_ptr<Op>& send, Peer& destination,
                                   const std::string& channelData) {
+  thread_.check("CopyEngineChannel::startSend");
   Transfer transfer{send,    &destination, nullptr, readClearance(*send, destination, channelData),
                     nullptr, nullptr,      std::nullopt};
   transfer.peerFlags = &flagsOf(destination);
@@ -332,6 +335,7 @@ bool CopyEngineChannel::advanceHeld() {
 }
 
 bool CopyEngineChannel::progress() {
+  thread_.check("CopyEngineChannel::progress");
   bool moved = advanceHeld();
   for (auto it = moving_.begin(); it != moving_.end();) {
     if (finishMove(*it)) {
@@ -378,6 +382,7 @@ bool CopyEngineChannel::finishMove(Transfer& transfer) {
 }
 
 void CopyEngineChannel::cancel(Op& op) {
+  thread_.check("CopyEngineChannel::cancel");
   if (!op.isSend()) {
     return;  // the sender may still copy: the buffer stays until its `done` word says how it ended
   }

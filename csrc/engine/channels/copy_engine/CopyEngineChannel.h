@@ -13,6 +13,7 @@
 
 #include "engine/Channel.h"
 #include "engine/CudaOps.h"
+#include "engine/ProgressThread.h"
 #include "engine/channels/copy_engine/CopyEngineOp.h"
 #include "engine/channels/copy_engine/StagingRing.h"
 #include "engine/cuda/FlagSegment.h"
@@ -47,8 +48,8 @@ class CopyEngineChannel final : public Channel {
   // (MemoryReleased).
   using Release = std::function<void(const std::string&, std::vector<uint64_t>)>;
 
-  CopyEngineChannel(CudaOps& cudaOps, size_t ipcCacheSize, uint64_t stagingBytes, Done onDone,
-                    Notify notify, Release release);
+  CopyEngineChannel(CudaOps& cudaOps, const ProgressThread& thread, size_t ipcCacheSize,
+                    uint64_t stagingBytes, Done onDone, Notify notify, Release release);
 
   // Caller's thread (CopyEngineCaller.cpp).
   CudaFence prepare(Op& op, const PostOptions& options) override;
@@ -133,6 +134,7 @@ class CopyEngineChannel final : public Channel {
   CUstream copyOutStream(int device);
 
   CudaOps& cudaOps_;
+  const ProgressThread& thread_;
   cuda::FlagSegment& flags_;
   cuda::IpcExporter exporter_;
   cuda::IpcCache ipc_;

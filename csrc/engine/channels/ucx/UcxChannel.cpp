@@ -106,11 +106,12 @@ struct UcxChannel::Transfer {
 };
 
 UcxChannel::UcxChannel(const UcxContext& context, UcxWorker& sendWorker, CudaOps& cudaOps,
-                       const Config& config, Done onDone)
+                       const ProgressThread& thread, const Config& config, Done onDone)
     : lane_(std::make_unique<UcxReceiveLane>(context, config.spin)),
       receiveLane_(*lane_),
       sendWorker_(sendWorker),
       cudaOps_(cudaOps),
+      thread_(thread),
       flags_(cudaOps.flags()),
       pieceBytes_(config.hostStagingPieceBytes),
       transport_(config.transport),
@@ -220,6 +221,7 @@ void UcxChannel::prepareSend(const std::shared_ptr<Op>& send, Peer& destination)
 }
 
 std::string UcxChannel::armRecv(const std::shared_ptr<Op>& recv, Peer& source) {
+  thread_.check("UcxChannel::armRecv");
   const UcxCudaOp* state = ucxCudaOp(*recv);
   std::shared_ptr<CallerStaging> callerStaging = state ? state->staging : nullptr;
   const bool staged = callerStaging || stagesThroughHost(*recv, source);
@@ -257,6 +259,7 @@ std::string UcxChannel::armRecv(const std::shared_ptr<Op>& recv, Peer& source) {
 
 void UcxChannel::startSend(const std::shared_ptr<Op>& send, Peer& destination,
                            const std::string& channelData) {
+  thread_.check("UcxChannel::startSend");
   ucp_tag_t tag = 0;
   uint64_t pieceBytes = 0;
   const uint64_t bytes = send->request.buffer.bytes;
@@ -349,6 +352,7 @@ void UcxChannel::postPiece(Movement& movement, uint32_t piece) {
 }
 
 bool UcxChannel::progress() {
+  thread_.check("UcxChannel::progress");
   bool changed = applyCompletions();
   std::vector<uint64_t> ended;
   for (auto& [id, movement] : movements_) {

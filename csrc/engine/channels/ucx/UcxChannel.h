@@ -9,6 +9,7 @@
 #include "engine/Channel.h"
 #include "engine/Config.h"
 #include "engine/CudaOps.h"
+#include "engine/ProgressThread.h"
 #include "engine/channels/ucx/HostStaging.h"
 #include "engine/channels/ucx/UcxCudaOp.h"
 #include "engine/channels/ucx/UcxReceiveLane.h"
@@ -53,7 +54,7 @@ class UcxChannel final : public Channel {
   // `sendWorker` is the engine's (its thread calls every progress-thread method here); the
   // channel's receive lane, where recvs are posted, gets a worker of its own on `context`.
   UcxChannel(const UcxContext& context, UcxWorker& sendWorker, CudaOps& cudaOps,
-             const Config& config, Done onDone);
+             const ProgressThread& thread, const Config& config, Done onDone);
   ~UcxChannel() override;
 
   // Where peers send data: the receive lane's worker address.
@@ -139,6 +140,7 @@ class UcxChannel final : public Channel {
   UcxReceiveLane& receiveLane_;
   UcxWorker& sendWorker_;
   CudaOps& cudaOps_;
+  const ProgressThread& thread_;
   cuda::FlagSegment& flags_;
   const uint64_t pieceBytes_;
   const Transport transport_;
