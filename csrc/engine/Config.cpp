@@ -7,7 +7,7 @@
 
 #include "engine/Error.h"
 #include "engine/Log.h"
-#include "engine/CudaOp.h"
+#include "engine/CudaOps.h"
 
 namespace smfree::engine {
 namespace {

@@ -1,5 +1,8 @@
 #include "engine/Group.h"
 
+#include <algorithm>
+#include <thread>
+
 #include "engine/Error.h"
 #include "engine/Log.h"
 
@@ -7,6 +10,26 @@ namespace smfree::engine {
 namespace {
 
 constexpr auto kQueuedMargin = std::chrono::seconds(10);
+
+// A caller's thread waiting for what another thread or process will do soon: it yields for
+// `spin`, then naps up to 20 µs, so a wait of microseconds costs no sleep's latency and a
+// long one no core. False if `deadline` comes first.
+template <typename Done>
+bool pollUntil(Done done, std::chrono::microseconds spin, Clock::time_point deadline) {
+  const auto spinUntil = Clock::now() + spin;
+  auto nap = std::chrono::microseconds(5);
+  while (!done()) {
+    const auto now = Clock::now();
+    if (now >= deadline) return false;
+    if (now < spinUntil) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(nap);
+      nap = std::min(nap * 2, std::chrono::microseconds(20));
+    }
+  }
+  return true;
+}
 
 }  // namespace
 
@@ -51,17 +74,13 @@ void Group::connect(int rank) {
          "store's host down?): ", error.what());
   }
   const PeerAddress address = PeerAddress::decode(published);
-  const uint64_t id = id_;
-  Engine* engine = engine_.get();
-  const bool stagesCuda = engine_->call<bool>(
-      [engine, id, rank, address] { return engine->attachPeer(id, rank, address); }, timeout(),
-      "connecting to a peer");
-  stagesCuda_[rank] = stagesCuda;
+  const PeerRoute route = engine_->connect(id_, rank, address, timeout());
+  stagesCuda_[rank] = route.stagedThroughHost;
   {
     std::lock_guard<std::mutex> lock(keysMutex_);
     processKeys_[rank] = address.processKey;
   }
-  sameHost_[rank] = address.hostKey == engine_->local_.hostKey;
+  sameHost_[rank] = address.hostKey == engine_->localAddress().hostKey;
   connected_[rank].store(true, std::memory_order_release);
 }
 
@@ -82,33 +101,29 @@ std::optional<CudaFence> Group::post(OpRequest request) {
   op->config = config_;
   std::optional<CudaFence> fence;
   if (op->request.buffer.memory == MemoryKind::kCuda) {
-    if (onCopyEngine(op->request.peer)) {
-      fence = engine_->prepareCuda(*op, timeout());
-    } else {
-      const int peer = op->request.peer;
-      const bool staged =
-          peer != kAnySource && stagesCuda_[peer] && op->request.buffer.bytes > 0;
-      fence = engine_->prepareUcxCuda(*op, timeout(), staged);
-    }
+    const int peer = op->request.peer;
+    op->channel = cudaChannel(peer);
+    PostOptions options{timeout(), {}};
+    if (peer != kAnySource) options.route.stagedThroughHost = stagesCuda_[peer];
+    fence = engine_->channel(op->channel).prepare(*op, options);
   }
   op->posted = Clock::now();
   op->deadline = op->posted + timeout();
-  Engine* engine = engine_.get();
-  engine_->submit([engine, op] { engine->startOp(op); });
+  engine_->post(std::move(op));
   return fence;
 }
 
-bool Group::onCopyEngine(int peer) const {
+ChannelKind Group::cudaChannel(int peer) const {
   switch (engine_->config().transport) {
     case Transport::kCopyEngine:
-      return true;
+      return ChannelKind::kCopyEngine;
     case Transport::kUcx:
-      return false;
+      return ChannelKind::kUcx;
     case Transport::kAuto:
       break;
   }
   if (peer != kAnySource) {
-    return sameHost_[peer];
+    return sameHost_[peer] ? ChannelKind::kCopyEngine : ChannelKind::kUcx;
   }
   // An any-source recv picks its channel before it knows its sender: all ranks must agree.
   bool local = false;
@@ -121,7 +136,7 @@ bool Group::onCopyEngine(int peer) const {
          "', whose ranks span hosts, cannot choose between copy engines and UCX before it "
          "matches: name the source rank, or set SMFREE_TRANSPORT=ucx");
   }
-  return local;
+  return local ? ChannelKind::kCopyEngine : ChannelKind::kUcx;
 }
 
 Clock::time_point Group::queuedDeadline() const {
@@ -129,50 +144,58 @@ Clock::time_point Group::queuedDeadline() const {
   return Clock::now() + timeout() + kQueuedMargin;
 }
 
+bool Group::pollQueued(const CudaFence& fence, Clock::time_point deadline) {
+  Channel& channel = engine_->channel(fence.channel);
+  return pollUntil([&] { return channel.fenceQueued(fence); }, engine_->config().spin, deadline);
+}
+
 void Group::awaitQueued(const CudaFence& fence) {
   if (fence.stagedRecv) {
     queueCopiesInBy(fence, Clock::time_point::max());  // throws at the deadline
-  } else {
-    engine_->awaitQueued(fence.queued, queuedDeadline());
+    return;
+  }
+  // Short: the partner has usually posted already. The op's own timeout sets `queued`
+  // before the deadline comes.
+  if (!pollQueued(fence, queuedDeadline())) {
+    fail("the partner's copy was not submitted before the deadline");
   }
 }
 
 bool Group::queueCopiesInBy(const CudaFence& fence, Clock::time_point until) {
   const auto deadline = queuedDeadline();
-  if (engine_->queueCopiesInBy(*fence.stagedRecv, std::min(until, deadline))) return true;
+  if (pollQueued(fence, std::min(until, deadline))) return true;
   if (until < deadline) return false;
   fail("the recv did not match, or its bytes did not land, in time");
 }
 
 bool Group::queueCopiesInOnceMatched(const CudaFence& fence) {
-  return engine_->queueCopiesInOnceMatched(*fence.stagedRecv);
+  return engine_->channel(fence.channel).fenceQueued(fence);
 }
 
-std::optional<std::string> Group::failureAfterWait() { return engine_->failureAfterWait(id_); }
+std::optional<std::string> Group::failureAfterWait() {
+  return engine_->failures().afterWait(id_);
+}
 
 void Group::recordFailureAfterWait(std::string why) {
-  engine_->recordFailureAfterWait(id_, std::move(why));
+  engine_->failures().recordAfterWait(id_, std::move(why));
 }
 
 void Group::waitOnStream(void* stream, int device, const CudaFence& fence) {
-  engine_->waitOnStream(stream, device, fence);
+  engine_->channel(fence.channel).waitOnStream(stream, device, fence);
 }
 
 void Group::close(StatusCode code, const std::string& reason, bool abort) {
   if (closed_.exchange(true)) {
     return;
   }
-  const uint64_t id = id_;
   // Ops whose wait() has returned still owe their peers the bytes, or their streams the copies
   // in; their own timeouts bound this.
-  if (!abort) engine_->awaitReleasedOps(id, Clock::now() + timeout());
-  Engine* engine = engine_.get();
-  engine_->call<void>([engine, id, code, reason] { engine->closeGroup(id, code, reason); },
-                      std::chrono::seconds(60), "closing the group");
+  if (!abort) engine_->awaitReleasedOps(id_, Clock::now() + timeout());
+  engine_->closeGroup(id_, code, reason);
 }
 
 std::optional<std::string> Group::peerFailure(int rank) {
-  if (!engine_->anyFailure_.load(std::memory_order_acquire)) {
+  if (!engine_->failures().any()) {
     return std::nullopt;
   }
   std::string key;
@@ -180,20 +203,11 @@ std::optional<std::string> Group::peerFailure(int rank) {
     std::lock_guard<std::mutex> lock(keysMutex_);
     key = processKeys_[rank];
   }
-  return key.empty() ? std::nullopt : engine_->failureOf(key);
+  return key.empty() ? std::nullopt : engine_->failures().ofPeer(key);
 }
 
-std::string Group::dumpPending() {
-  const uint64_t id = id_;
-  Engine* engine = engine_.get();
-  return engine_->call<std::string>([engine, id] { return engine->dumpPending(id); },
-                                    std::chrono::seconds(10), "dumping pending ops");
-}
+std::string Group::dumpPending() { return engine_->dumpPending(id_); }
 
-std::map<std::string, int64_t> Group::stats() {
-  Engine* engine = engine_.get();
-  return engine_->call<std::map<std::string, int64_t>>([engine] { return engine->stats(); },
-                                                       std::chrono::seconds(10), "reading stats");
-}
+std::map<std::string, int64_t> Group::stats() { return engine_->stats(); }
 
 }  // namespace smfree::engine

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/CudaFence.h"
 #include "engine/Engine.h"
 
 namespace smfree::engine {
@@ -58,9 +59,11 @@ class Group {
   std::map<std::string, int64_t> stats();
 
  private:
-  // Whether a CUDA op with `peer` (a rank or kAnySource) moves on the copy engines (else over
-  // UCX).
-  bool onCopyEngine(int peer) const;
+  // Which channel a CUDA op with `peer` (a rank or kAnySource) moves on.
+  ChannelKind cudaChannel(int peer) const;
+  // Polls the fence's channel until the op's copies are queued; false if `deadline` comes
+  // first.
+  bool pollQueued(const CudaFence& fence, Clock::time_point deadline);
   // How long a caller waits for an op's copy to be queued before it blames a stuck engine.
   Clock::time_point queuedDeadline() const;
 

@@ -7,9 +7,9 @@
 #include <optional>
 #include <string>
 
-#include "engine/CudaOp.h"
 #include "engine/Status.h"
 #include "engine/TensorDesc.h"
+#include "engine/Wire.h"
 
 namespace smfree::engine {
 
@@ -47,13 +47,23 @@ struct OpRequest {
 
 struct GroupConfig;
 
+// A channel's own state of an op, from its post to its release; each channel defines its kind.
+struct OpChannelState {
+  virtual ~OpChannelState() = default;
+};
+
+// An op's life on the progress thread, in order; Rendezvous::transition() is the one place
+// it changes, and only forward.
+enum class OpState : uint8_t {
+  kPosted,    // handed to the progress thread, not started (or held back, see Rendezvous)
+  kWaiting,   // send: announced, waiting for its clear-to-send; recv: waiting for a match
+  kMoving,    // a channel moves the bytes
+  kEnded,     // the caller was told the outcome; a channel may still hold the buffer
+  kReleased,  // no channel holds the buffer: the op is forgotten
+};
+
 // An op inside the engine. Touched only on the progress thread once posted.
 struct Op {
-  enum class Phase {
-    kPosted,   // send: announced, waiting to be cleared; recv: waiting in the matcher
-    kMoving,   // a channel is moving the bytes
-    kDone,     // the caller was told the outcome
-  };
 
   uint64_t id = 0;
   OpRequest request;
@@ -62,22 +72,16 @@ struct Op {
   Clock::time_point posted;
   Clock::time_point deadline;
 
-  Phase phase = Phase::kPosted;
+  OpState state = OpState::kPosted;
   uint64_t seq = 0;        // send: position in its (group, receiver, tag) stream
   int source = -1;         // recv: the rank it was matched with
-  int outstanding = 0;     // transport requests that still reference the buffer
-  bool released = false;
-  std::optional<CudaOpState> cuda;  // a CUDA op on the copy engines
-  // A CUDA op over UCX: written by the caller's stream once the work queued before the op is
-  // done; UCX touches the buffer only after that.
-  std::optional<cuda::Flag> streamReady;
-  std::optional<UcxCudaState> ucxCuda;  // a CUDA op over UCX
-  // A send announced as promised, or a recv matched with one whose copies in may wait on the
-  // GPU (Engine::commitments_).
-  bool promised = false;
+  int outstanding = 0;     // channel requests that still reference the buffer
+  ChannelKind channel = ChannelKind::kUcx;  // chosen at the post; CPU tensors go over UCX
+  // What the channel took for the op at its post (flags, events, staging): CUDA ops only.
+  std::unique_ptr<OpChannelState> channelState;
 
   bool isSend() const { return request.kind == OpKind::kSend; }
-  bool finished() const { return phase == Phase::kDone; }
+  bool finished() const { return state >= OpState::kEnded; }
   // The rank this op talks to: its requested peer, or for any-source recvs the matched one.
   int partner() const { return request.peer != kAnySource ? request.peer : source; }
   // e.g. "send to rank 1 (group '0', tag 3, float32[4] (16 B))"

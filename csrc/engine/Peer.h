@@ -1,11 +1,11 @@
 #pragma once
 
+#include <chrono>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "engine/ProcessWatch.h"
-#include "engine/cuda/FlagSegment.h"
 #include "engine/transports/ucx/UcxEndpoint.h"
 
 namespace smfree::engine {
@@ -34,11 +34,12 @@ struct Peer {
   PeerAddress address;
   bool sameHost = false;
   std::unique_ptr<ProcessWatch> watch;  // same-host peers: UCX cannot notice their death
-  // To its engine's worker and to its receive lane; null once a failed same-host peer was
-  // closed.
+  // To its engine's worker, for control messages (what the channels keep per peer is
+  // theirs); null once a failed same-host peer was closed.
   std::unique_ptr<UcxEndpoint> endpoint;
-  std::unique_ptr<UcxEndpoint> dataEndpoint;
-  std::unique_ptr<cuda::RemoteFlagSegment> flags;  // mapped on the first CUDA transfer
+  // How long closing its endpoints waits for it to take what was sent to it: the longest
+  // timeout of the groups joined when it was reached.
+  std::chrono::milliseconds flushBound{0};
   bool failed = false;
   std::string failure;
 

@@ -8,7 +8,7 @@
 namespace smfree::engine::cuda {
 
 // A CUDA event of one device, without timing: how a send's streams signal each other inside
-// this process (far cheaper on a copy-engine queue than a memory write; see CudaOp.h).
+// this process (far cheaper on a copy-engine queue than a memory write; see CopyEngineOp.h).
 class Event {
  public:
   explicit Event(int device);

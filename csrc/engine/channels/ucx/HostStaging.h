@@ -6,7 +6,7 @@
 #include <mutex>
 
 #include "engine/Op.h"
-#include "engine/CudaOp.h"
+#include "engine/channels/ucx/UcxCudaOp.h"
 #include "engine/cuda/Event.h"
 #include "engine/cuda/FlagSegment.h"
 #include "engine/cuda/PinnedMemory.h"

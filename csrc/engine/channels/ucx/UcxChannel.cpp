@@ -8,6 +8,7 @@
 #include "engine/Log.h"
 #include "engine/Peer.h"
 #include "engine/cuda/CudaDriver.h"
+#include "engine/transports/ucx/UcxStatus.h"
 
 namespace smfree::engine {
 namespace {
@@ -104,15 +105,21 @@ struct UcxChannel::Transfer {
   uint32_t piece;
 };
 
-UcxChannel::UcxChannel(UcxWorker& sendWorker, UcxReceiveLane& receiveLane,
-                       const cuda::FlagSegment& flags, uint64_t pieceBytes, Done onDone)
-    : sendWorker_(sendWorker),
-      receiveLane_(receiveLane),
-      flags_(flags),
-      pieceBytes_(pieceBytes),
+UcxChannel::UcxChannel(const UcxContext& context, UcxWorker& sendWorker, CudaOps& cudaOps,
+                       const ProgressThread& thread, const Config& config, Done onDone)
+    : lane_(std::make_unique<UcxReceiveLane>(context, config.spin)),
+      receiveLane_(*lane_),
+      sendWorker_(sendWorker),
+      cudaOps_(cudaOps),
+      thread_(thread),
+      flags_(cudaOps.flags()),
+      pieceBytes_(config.hostStagingPieceBytes),
+      transport_(config.transport),
       onDone_(std::move(onDone)) {}
 
 UcxChannel::~UcxChannel() {
+  endpoints_.clear();  // their flushes first: peers' sends to the receive lane may wait on them
+  receiveLane_.stop();
   std::lock_guard<std::mutex> lock(completionsMutex_);
   for (const Completion& completion : completions_) {
     std::unique_ptr<Transfer> owned(completion.transfer);
@@ -120,25 +127,61 @@ UcxChannel::~UcxChannel() {
   }
 }
 
-bool UcxChannel::streamReached(const Op& op) const {
-  return !op.streamReady || flags_.isSet(*op.streamReady);
+std::vector<uint8_t> UcxChannel::receiveAddress() { return receiveLane_.worker().address(); }
+
+void UcxChannel::connect(Peer& peer, const PeerError& onError) {
+  // Same host: shared memory and CMA need UCX's peer-failure handling off; the peer's process
+  // watch notices a dead peer instead.
+  endpoints_[&peer] = std::make_unique<UcxEndpoint>(
+      sendWorker_.handle(), peer.address.receiveWorkerAddress, !peer.sameHost, peer.flushBound,
+      [onError](ucs_status_t status) { onError(ucxPeerErrorText(status)); });
 }
 
-bool UcxChannel::stagesThroughHost(const Op& op, Peer& peer) {
+void UcxChannel::flush() {
+  for (auto& [peer, endpoint] : endpoints_) endpoint->flush();
+}
+
+void UcxChannel::disconnect(Peer& peer) {
+  auto it = endpoints_.find(&peer);
+  if (it == endpoints_.end()) return;
+  it->second->peerGone();
+  endpoints_.erase(it);
+}
+
+UcxEndpoint* UcxChannel::endpointOf(const Peer& peer) const {
+  auto it = endpoints_.find(&peer);
+  return it == endpoints_.end() ? nullptr : it->second.get();
+}
+
+PeerRoute UcxChannel::route(Peer& peer) { return PeerRoute{stagesCudaToward(peer)}; }
+
+void UcxChannel::addStats(std::map<std::string, int64_t>& stats) const {
+  stats["ucx_host_staged_sends"] = static_cast<int64_t>(hostStagedSends_);
+  stats["ucx_host_staged_recvs"] = static_cast<int64_t>(hostStagedRecvs_);
+  stats["ucx_host_staging_cached_bytes"] = static_cast<int64_t>(staging_.cachedBytes());
+}
+
+bool UcxChannel::streamReached(const Op& op) const {
+  const UcxCudaOp* state = ucxCudaOp(op);
+  return !state || flags_.isSet(state->streamReady);
+}
+
+bool UcxChannel::stagesThroughHost(const Op& op, const Peer& peer) {
   const Buffer& buffer = op.request.buffer;
   if (buffer.memory != MemoryKind::kCuda || buffer.bytes == 0) return false;
   return stagesCudaToward(peer);
 }
 
-bool UcxChannel::stagesCudaToward(Peer& peer) {
-  if (!peer.dataEndpoint) return false;
+bool UcxChannel::stagesCudaToward(const Peer& peer) {
+  const UcxEndpoint* endpoint = endpointOf(peer);
+  if (!endpoint) return false;
   auto [decision, first] = stagingDecisions_.try_emplace(&peer, false);
-  if (first) decision->second = onlyTcpToward(peer);
+  if (first) decision->second = onlyTcpToward(*endpoint, peer);
   return decision->second;
 }
 
-bool UcxChannel::onlyTcpToward(const Peer& peer) const {
-  const auto transports = peer.dataEndpoint->transports();
+bool UcxChannel::onlyTcpToward(const UcxEndpoint& endpoint, const Peer& peer) const {
+  const auto transports = endpoint.transports();
   if (!transports) {
     logOnce("ucx-transports-unknown",
             "this UCX cannot list an endpoint's transports (UCX < 1.14): CUDA tensors go to "
@@ -170,19 +213,21 @@ UcxChannel::Movement& UcxChannel::track(const std::shared_ptr<Op>& op, Peer* des
 }
 
 void UcxChannel::prepareSend(const std::shared_ptr<Op>& send, Peer& destination) {
-  if (!send->ucxCuda || !send->ucxCuda->staging) return;
-  // Staged by its caller (Group::post), whose copies out are queued already.
+  const UcxCudaOp* state = ucxCudaOp(*send);
+  if (!state || !state->staging) return;
+  // Staged by its caller (prepare()), whose copies out are queued already.
   Movement& movement = track(send, &destination);
   movement.staged = true;
   movement.started = true;
-  movement.callerStaging = send->ucxCuda->staging;
+  movement.callerStaging = state->staging;
   movement.host = movement.callerStaging->host;
   ++hostStagedSends_;
 }
 
 std::string UcxChannel::armRecv(const std::shared_ptr<Op>& recv, Peer& source) {
-  std::shared_ptr<CallerStaging> callerStaging =
-      recv->ucxCuda ? recv->ucxCuda->staging : nullptr;
+  thread_.check("UcxChannel::armRecv");
+  const UcxCudaOp* state = ucxCudaOp(*recv);
+  std::shared_ptr<CallerStaging> callerStaging = state ? state->staging : nullptr;
   const bool staged = callerStaging || stagesThroughHost(*recv, source);
   const uint64_t bytes = recv->request.buffer.bytes;
   const uint64_t pieceBytes = callerStaging ? callerStaging->pieceBytes
@@ -218,6 +263,7 @@ std::string UcxChannel::armRecv(const std::shared_ptr<Op>& recv, Peer& source) {
 
 void UcxChannel::startSend(const std::shared_ptr<Op>& send, Peer& destination,
                            const std::string& channelData) {
+  thread_.check("UcxChannel::startSend");
   ucp_tag_t tag = 0;
   uint64_t pieceBytes = 0;
   const uint64_t bytes = send->request.buffer.bytes;
@@ -243,7 +289,7 @@ void UcxChannel::startSend(const std::shared_ptr<Op>& send, Peer& destination,
   if (movement.staged) {
     // Matched: from here its wait() leaves the buffer to the caller's stream, which waits for
     // the copies out. Not before, so a mismatch still reaches that wait().
-    if (!movement.failure) flags_.set(send->ucxCuda->queued);
+    if (!movement.failure) flags_.set(ucxCudaOp(*send)->queued);
     countCopiedOut(movement);
     transmitCopiedPieces(movement);
   } else {
@@ -267,7 +313,8 @@ void UcxChannel::postPiece(Movement& movement, uint32_t piece) {
   void* data = base + movement.offsetOf(piece);
   const uint64_t bytes = movement.bytesOf(piece);
   const ucp_tag_t tag = movement.tag + piece;
-  if (movement.isSend() && !movement.destination->dataEndpoint) {
+  UcxEndpoint* endpoint = movement.isSend() ? endpointOf(*movement.destination) : nullptr;
+  if (movement.isSend() && !endpoint) {
     movement.failure = Status::failure(
         StatusCode::kPeerFailure, concat(op.describe(), ": its peer's data endpoint is closed"));
     return;
@@ -291,8 +338,7 @@ void UcxChannel::postPiece(Movement& movement, uint32_t piece) {
   void* request = nullptr;
   if (movement.isSend()) {
     params.cb.send = &UcxChannel::onSent;
-    request = ucp_tag_send_nbx(movement.destination->dataEndpoint->handle(), data, bytes, tag,
-                               &params);
+    request = ucp_tag_send_nbx(endpoint->handle(), data, bytes, tag, &params);
   } else {
     params.cb.recv = &UcxChannel::onReceived;
     request = ucp_tag_recv_nbx(receiveLane_.worker().handle(), data, bytes, tag, kFullMask,
@@ -310,11 +356,12 @@ void UcxChannel::postPiece(Movement& movement, uint32_t piece) {
 }
 
 bool UcxChannel::progress() {
+  thread_.check("UcxChannel::progress");
   bool changed = applyCompletions();
   std::vector<uint64_t> ended;
   for (auto& [id, movement] : movements_) {
     changed = advance(*movement) || changed;
-    if (this->ended(*movement)) ended.push_back(id);
+    if (movementEnded(*movement)) ended.push_back(id);
   }
   for (const uint64_t id : ended) {
     auto it = movements_.find(id);
@@ -390,10 +437,11 @@ bool UcxChannel::copyInLandedPieces(Movement& movement) {
   if (std::find(pieces.begin(), pieces.end(), PieceState::kLanded) == pieces.end()) return false;
   const Op& op = *movement.op;
   const Buffer& buffer = op.request.buffer;
+  const UcxCudaOp& state = *ucxCudaOp(op);
   try {
     // The copies wait on the GPU for the caller's stream to free the buffer, not the CPU.
     if (movement.copiesInQueued == 0) {
-      staging_.copyToDeviceAfter(buffer.device, *op.ucxCuda->reached);
+      staging_.copyToDeviceAfter(buffer.device, *state.reached);
     }
     for (uint32_t piece = 0; piece < pieces.size(); ++piece) {
       if (pieces[piece] != PieceState::kLanded) continue;
@@ -405,8 +453,8 @@ bool UcxChannel::copyInLandedPieces(Movement& movement) {
     }
     if (movement.copiesInQueued == pieces.size()) {
       // From here the caller's stream, not its CPU, waits for the bytes.
-      staging_.recordAfterCopiesToDevice(buffer.device, *op.ucxCuda->copied);
-      flags_.set(op.ucxCuda->queued);
+      staging_.recordAfterCopiesToDevice(buffer.device, *state.copied);
+      flags_.set(state.queued);
     }
   } catch (const Error& error) {
     movement.failure = copyFailure(op, error);
@@ -428,7 +476,7 @@ bool UcxChannel::countCopiedInPieces(Movement& movement) {
   return counted;
 }
 
-bool UcxChannel::ended(const Movement& movement) const {
+bool UcxChannel::movementEnded(const Movement& movement) const {
   if (!movement.requests.empty()) return false;
   if (movement.failure) return !movement.copyPending(flags_);
   if (movement.callerStaging && !movement.isSend() &&
@@ -445,7 +493,7 @@ bool UcxChannel::busy() const {
     if (!completions_.empty()) return true;
   }
   for (const auto& [id, movement] : movements_) {
-    if (!movement->started || movement->failure || ended(*movement)) return true;
+    if (!movement->started || movement->failure || movementEnded(*movement)) return true;
     if (const auto& staging = movement->callerStaging) {
       // Words that streams write, polled: a send's copies out, a recv's copies in once its
       // wait() has queued them.

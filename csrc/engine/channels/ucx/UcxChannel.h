@@ -2,13 +2,20 @@
 
 #include <memory>
 #include <mutex>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
 #include "engine/Channel.h"
+#include "engine/Config.h"
+#include "engine/CudaOps.h"
+#include "engine/ProgressThread.h"
 #include "engine/channels/ucx/HostStaging.h"
+#include "engine/channels/ucx/UcxCudaOp.h"
 #include "engine/channels/ucx/UcxReceiveLane.h"
 #include "engine/cuda/FlagSegment.h"
+#include "engine/transports/ucx/UcxContext.h"
+#include "engine/transports/ucx/UcxEndpoint.h"
 #include "engine/transports/ucx/UcxWorker.h"
 
 namespace smfree::engine {
@@ -23,7 +30,7 @@ namespace smfree::engine {
 // UCX is not stream-aware: a CUDA op waits, here, for its `streamReady` flag (written by the
 // caller's stream) before UCX may touch the buffer. Completion reaches the caller through its
 // Work on the CPU; no stream waits on UCX, whose own CUDA copies could otherwise queue behind
-// that wait in a shared hardware queue (see CudaOp.h). The exception is a staged op, whose
+// that wait in a shared hardware queue (see CudaFence.h). The exception is a staged op, whose
 // caller's stream waits for its copies, queued before that wait (UcxCudaState).
 //
 // Toward a peer that UCX reaches over TCP alone, CUDA buffers go through pinned host memory
@@ -35,31 +42,53 @@ namespace smfree::engine {
 // queued by its wait(), each behind a stream wait on a flag word that the receive lane raises
 // as the pieces land in order (markLanded). A CUDA recv from any source learns only here
 // whether it is staged: its copies in are queued here as its pieces land.
+//
+// Promises (UcxCommitments.cpp): while neither the progress thread nor the receive lane has
+// made a CUDA call, staged sends are announced as promised, and a staged recv matched with a
+// promised send lets its caller queue its copies in at once, to wait on the GPU for pieces
+// still on the network. The first op that needs a CUDA call on the progress thread ends that
+// for good; it waits (Channel::committed) until no commitment is in flight: no promised send
+// still moving (a receiver's stream may wait for it), no recv whose copies in wait on one.
 class UcxChannel final : public Channel {
  public:
-  // `pieceBytes`: size of the pieces of a staged recv (SMFREE_HOST_STAGING_PIECE_BYTES); 0 for
-  // one piece.
-  // `sendWorker` is the engine's (its thread calls every method here); `receiveLane` the one
-  // that recvs are posted on.
-  UcxChannel(UcxWorker& sendWorker, UcxReceiveLane& receiveLane, const cuda::FlagSegment& flags,
-             uint64_t pieceBytes, Done onDone);
+  // `sendWorker` is the engine's (its thread calls every progress-thread method here); the
+  // channel's receive lane, where recvs are posted, gets a worker of its own on `context`.
+  UcxChannel(const UcxContext& context, UcxWorker& sendWorker, CudaOps& cudaOps,
+             const ProgressThread& thread, const Config& config, Done onDone);
   ~UcxChannel() override;
 
+  // Where peers send data: the receive lane's worker address.
+  std::vector<uint8_t> receiveAddress();
+
+  // Caller's thread (UcxCaller.cpp).
+  CudaFence prepare(Op& op, const PostOptions& options) override;
+  bool fenceQueued(const CudaFence& fence) override;
+  void waitOnStream(void* stream, int device, const CudaFence& fence) override;
+
+  // Progress thread.
+  void connect(Peer& peer, const PeerError& onError) override;
+  PeerRoute route(Peer& peer) override;
+  void disconnect(Peer& peer) override;
+  void flush() override;
+  bool callsCudaOnProgressThread(const Op& op) const override;
+  void progressThreadCallsCuda(const Op& op) override;
+  bool committed() const override { return commitments_ > 0; }
+  bool promiseSend(Op& send) override;
   void prepareSend(const std::shared_ptr<Op>& send, Peer& destination) override;
   std::string armRecv(const std::shared_ptr<Op>& recv, Peer& source) override;
+  void cleared(const std::shared_ptr<Op>& recv, bool sendPromised) override;
   void startSend(const std::shared_ptr<Op>& send, Peer& destination,
                  const std::string& channelData) override;
   void cancel(Op& op) override;
+  void ended(Op& op, const Status& status) override;
+  void release(Op& op) override;
+  bool outlivesWait(const Op& op) const override;
   bool progress() override;
   bool busy() const override;
   // The device of the latest CUDA buffer handed to UCX; -1 before the first.
-  int cudaDevice() const { return cudaDevice_; }
-  uint64_t hostStagedSends() const { return hostStagedSends_; }
-  uint64_t hostStagedRecvs() const { return hostStagedRecvs_; }
-  uint64_t hostStagingCachedBytes() const { return staging_.cachedBytes(); }
-  HostStaging& staging() { return staging_; }
-  // Whether CUDA buffers to or from `peer` go through host memory; decided, and logged, once.
-  bool stagesCudaToward(Peer& peer);
+  int contextDevice() const override { return cudaDevice_; }
+  void stop() override { lane_->stop(); }
+  void addStats(std::map<std::string, int64_t>& stats) const override;
 
  private:
   struct Movement;
@@ -74,11 +103,20 @@ class UcxChannel final : public Channel {
   static void onSent(void* request, ucs_status_t status, void* userData);
   static void onReceived(void* request, ucs_status_t status, const ucp_tag_recv_info_t* info,
                          void* userData);
+  // Caller's thread: stages a CUDA op through host memory; a send's copies out are queued.
+  std::shared_ptr<CallerStaging> stageFromCaller(const Op& op, const UcxCudaOp& state);
+  // Caller's thread, a caller-staged recv: queues its copies in, which wait on the GPU for
+  // their pieces to land, and sets `queued`, if its match allows that now; true once `queued`
+  // is set (also by a failure).
+  bool queueCopiesInOnceMatched(CallerStaging& staging);
+  // Whether CUDA buffers to or from `peer` go through host memory; decided, and logged, once.
+  bool stagesCudaToward(const Peer& peer);
+  UcxEndpoint* endpointOf(const Peer& peer) const;
   bool streamReached(const Op& op) const;
   // Whether the op's bytes go through host memory: a CUDA op toward a peer reached by TCP only.
   // Decided, and logged, once per peer.
-  bool stagesThroughHost(const Op& op, Peer& peer);
-  bool onlyTcpToward(const Peer& peer) const;
+  bool stagesThroughHost(const Op& op, const Peer& peer);
+  bool onlyTcpToward(const UcxEndpoint& endpoint, const Peer& peer) const;
   Movement& track(const std::shared_ptr<Op>& op, Peer* destination);
   // Moves what the movement's state allows; true if anything changed.
   bool advance(Movement& movement);
@@ -92,22 +130,35 @@ class UcxChannel final : public Channel {
   // Receive lane's thread: a caller-staged recv's piece has landed.
   void markLanded(Movement& movement, uint32_t piece);
   void postPiece(Movement& movement, uint32_t piece);
-  bool ended(const Movement& movement) const;
+  bool movementEnded(const Movement& movement) const;
   void enqueue(const Completion& completion, bool wakeEngine);
   bool applyCompletions();
   void finish(const Completion& completion);
   ucp_worker_h workerOf(const Movement& movement);
 
-  UcxWorker& sendWorker_;
+  // First: it outlives the endpoints, whose flushes peers' sends to it may wait on.
+  std::unique_ptr<UcxReceiveLane> lane_;
   UcxReceiveLane& receiveLane_;
-  const cuda::FlagSegment& flags_;
-  uint64_t pieceBytes_;
+  UcxWorker& sendWorker_;
+  CudaOps& cudaOps_;
+  const ProgressThread& thread_;
+  cuda::FlagSegment& flags_;
+  const uint64_t pieceBytes_;
+  const Transport transport_;
   Done onDone_;
   HostStaging staging_;
+  std::once_flag announcedCuda_;
+  // By peer: to its receive lane. Dropped when the channel goes, or a failed same-host peer is
+  // disconnected.
+  std::unordered_map<const Peer*, std::unique_ptr<UcxEndpoint>> endpoints_;
   // By op id. Only progress() changes a movement after a post, applying what the callbacks
   // queued: they run on the receive lane's thread, or inside the calls that post and cancel.
   std::unordered_map<uint64_t, std::unique_ptr<Movement>> movements_;
   std::unordered_map<const Peer*, bool> stagingDecisions_;  // peers live as long as the engine
+  // Progress thread: see the class comment.
+  bool promising_ = true;
+  std::string stoppedPromising_;  // the op that ended it
+  size_t commitments_ = 0;
   // Filled by callbacks on either thread.
   mutable std::mutex completionsMutex_;
   std::vector<Completion> completions_;

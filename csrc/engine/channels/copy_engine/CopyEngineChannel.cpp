@@ -1,4 +1,4 @@
-#include "engine/channels/cuda_ipc/CopyEngineChannel.h"
+#include "engine/channels/copy_engine/CopyEngineChannel.h"
 
 #include <algorithm>
 #include <cstring>
@@ -32,13 +32,19 @@ struct StagedNotice {
 
 }  // namespace
 
-CopyEngineChannel::CopyEngineChannel(cuda::FlagSegment& flags, size_t ipcCacheSize,
-                                     uint64_t stagingBytes, Done onDone, Notify notify)
-    : flags_(flags),
+CopyEngineChannel::CopyEngineChannel(CudaOps& cudaOps, const ProgressThread& thread,
+                                     size_t ipcCacheSize, uint64_t stagingBytes, Done onDone,
+                                     Notify notify, Release release)
+    : cudaOps_(cudaOps),
+      thread_(thread),
+      flags_(cudaOps.flags()),
       ipc_(ipcCacheSize),
       stagingBytes_(stagingBytes),
       onDone_(std::move(onDone)),
-      notify_(std::move(notify)) {}
+      notify_(std::move(notify)),
+      release_(std::move(release)) {}
+
+bool CopyEngineChannel::reaches(const Peer& peer) const { return peer.sameHost; }
 
 bool CopyEngineChannel::stageable(uint64_t bytes) const {
   return bytes >= kStagingMinBytes && bytes <= stagingBytes_;
@@ -57,8 +63,15 @@ std::shared_ptr<StagingRing> CopyEngineChannel::ringFor(const Peer& source, int 
   return it->second;
 }
 
+cuda::RemoteFlagSegment& CopyEngineChannel::flagsOf(const Peer& peer) {
+  auto& flags = peerFlags_[peer.address.processKey];
+  if (!flags) flags = std::make_unique<cuda::RemoteFlagSegment>(peer.address.flagSegment);
+  return *flags;
+}
+
 std::string CopyEngineChannel::armRecv(const std::shared_ptr<Op>& recv, Peer& source) {
-  const CudaOpState& state = *recv->cuda;
+  thread_.check("CopyEngineChannel::armRecv");
+  const CopyEngineOp& state = copyEngineOp(*recv);
   const Buffer& buffer = recv->request.buffer;
   std::string destination;
   exporter_.exportBuffer(buffer.data, buffer.bytes, buffer.device, source.address.processKey)
@@ -71,7 +84,8 @@ std::string CopyEngineChannel::armRecv(const std::shared_ptr<Op>& recv, Peer& so
                                static_cast<uint32_t>(destination.size()),
                                static_cast<uint32_t>(ring.size())};
   ++recv->outstanding;
-  moving_.push_back(Transfer{recv, &source, std::nullopt, nullptr, nullptr, std::nullopt});
+  moving_.push_back(
+      Transfer{recv, &source, nullptr, std::nullopt, nullptr, nullptr, std::nullopt});
   return toBytes(header) + destination + ring;
 }
 
@@ -101,11 +115,10 @@ CopyEngineChannel::Clearance CopyEngineChannel::readClearance(const Op& send, Pe
 
 void CopyEngineChannel::startSend(const std::shared_ptr<Op>& send, Peer& destination,
                                   const std::string& channelData) {
-  Transfer transfer{send, &destination, readClearance(*send, destination, channelData), nullptr,
-                    nullptr, std::nullopt};
-  if (!destination.flags) {
-    destination.flags = std::make_unique<cuda::RemoteFlagSegment>(destination.address.flagSegment);
-  }
+  thread_.check("CopyEngineChannel::startSend");
+  Transfer transfer{send,    &destination, nullptr, readClearance(*send, destination, channelData),
+                    nullptr, nullptr,      std::nullopt};
+  transfer.peerFlags = &flagsOf(destination);
   const uint64_t bytes = send->request.buffer.bytes;
   if (stageable(bytes)) {
     auto ring = remoteRings_.find(
@@ -114,7 +127,7 @@ void CopyEngineChannel::startSend(const std::shared_ptr<Op>& send, Peer& destina
       transfer.remote = ring->second;
     }
   }
-  if (transfer.remote && !destination.flags->isSet(transfer.clearance->header.ready)) {
+  if (transfer.remote && !transfer.peerFlags->isSet(transfer.clearance->header.ready)) {
     ++send->outstanding;
     held_.push_back(std::move(transfer));
     advanceHeld();
@@ -125,8 +138,8 @@ void CopyEngineChannel::startSend(const std::shared_ptr<Op>& send, Peer& destina
 
 void CopyEngineChannel::giveUp(Transfer& send) {
   const ClearanceHeader& theirs = send.clearance->header;
-  send.peer->flags->set(theirs.queued);
-  send.peer->flags->set(theirs.done.plus(kSenderGaveUp));
+  send.peerFlags->set(theirs.queued);
+  send.peerFlags->set(theirs.done.plus(kSenderGaveUp));
 }
 
 void CopyEngineChannel::submitDirect(Transfer send) {
@@ -134,14 +147,13 @@ void CopyEngineChannel::submitDirect(Transfer send) {
   const int device = op.request.buffer.device;
   try {
     cuda::ContextGuard context(device);
-    enqueueCopy(op, *send.peer, *send.clearance,
-                dmaStream(device, send.clearance->destination.device));
+    enqueueCopy(send, dmaStream(device, send.clearance->destination.device));
   } catch (const Error&) {
     giveUp(send);
     throw;
   }
-  send.peer->flags->set(send.clearance->header.queued);
-  flags_.set(op.cuda->queued);
+  send.peerFlags->set(send.clearance->header.queued);
+  flags_.set(copyEngineOp(op).queued);
   ++op.outstanding;
   send.remote.reset();
   moving_.push_back(std::move(send));
@@ -162,18 +174,21 @@ void CopyEngineChannel::submitStaged(Transfer send, const StagedSlot& slot) {
   // The receiver's `queued` is its own to set, once it has submitted the copy out.
   notify_(*send.peer, toBytes(StagedNotice{send.clearance->header.recvId, send.remote->device(),
                                            slot.slot, slot.use, 0}));
-  flags_.set(op.cuda->queued);
+  flags_.set(copyEngineOp(op).queued);
   ++op.outstanding;
   ++stagedSends_;
   moving_.push_back(std::move(send));
 }
 
-void CopyEngineChannel::enqueueCopy(const Op& send, Peer& peer, const Clearance& clearance,
-                                    CUstream stream) {
-  cuda::RemoteFlagSegment& peerFlags = *peer.flags;
+void CopyEngineChannel::enqueueCopy(const Transfer& transfer, CUstream stream) {
+  const Op& send = *transfer.op;
+  const Peer& peer = *transfer.peer;
+  const Clearance& clearance = *transfer.clearance;
+  cuda::RemoteFlagSegment& peerFlags = *transfer.peerFlags;
+  const CopyEngineOp& state = copyEngineOp(send);
   // `produced` and the receiver's `ready` were submitted when the ops were posted, before
   // this clearance.
-  send.cuda->produced->waitOn(stream);
+  state.produced->waitOn(stream);
   // A `ready` already set needs no stream wait, which costs this thread about 2 µs per op.
   const cuda::Flag& ready = clearance.header.ready;
   if (!peerFlags.isSet(ready)) {
@@ -189,7 +204,7 @@ void CopyEngineChannel::enqueueCopy(const Op& send, Peer& peer, const Clearance&
                                              address(send.request.buffer.data),
                                              send.request.buffer.bytes, stream),
                 "cuMemcpyAsync");
-    send.cuda->copied->record(stream);
+    state.copied->record(stream);
     // Last, so that a failure to enqueue it leaves no write of the GPU's behind the
     // kSenderGaveUp that the caller then writes.
     const cuda::Flag copied = clearance.header.done.plus(kCopied);
@@ -204,15 +219,16 @@ void CopyEngineChannel::enqueueCopy(const Op& send, Peer& peer, const Clearance&
 void CopyEngineChannel::enqueueStagedCopy(Transfer& send, const StagedSlot& slot,
                                           CUstream stream) {
   const Op& op = *send.op;
+  const CopyEngineOp& state = copyEngineOp(op);
   // `produced` was submitted when the send was posted; the slot is empty (nextFree()).
-  op.cuda->produced->waitOn(stream);
+  state.produced->waitOn(stream);
   const CUdeviceptr to = send.remote->slotAddress(slot, op.request.buffer.device);
   cuda::check(cuda::driver().cuMemcpyAsync(to, address(op.request.buffer.data),
                                            op.request.buffer.bytes, stream),
               "cuMemcpyAsync (to a staging slot)");
-  op.cuda->copied->record(stream);
+  state.copied->record(stream);
   const cuda::Flag full = send.remote->full(slot);
-  cuda::writeWord(stream, send.peer->flags->cudaAddress(full.index), full.value,
+  cuda::writeWord(stream, send.peerFlags->cudaAddress(full.index), full.value,
                   "cuStreamWriteValue32 (staging slot full)");
 }
 
@@ -255,12 +271,12 @@ void CopyEngineChannel::onNotice(Peer& source, const std::string& data) {
   recv->ring = ringIt->second;
   recv->slot = slot;
   ++stagedRecvs_;
-  flags_.set(recv->op->cuda->queued);
+  flags_.set(copyEngineOp(*recv->op).queued);
 }
 
 void CopyEngineChannel::enqueueCopyOut(const Op& recv, StagingRing& ring, const StagedSlot& slot,
                                        CUstream stream) {
-  const CudaOpState& state = *recv.cuda;
+  const CopyEngineOp& state = copyEngineOp(recv);
   const int device = ring.device();
   // Both submitted before the notice: `ready` when the recv was posted, `full` by the sender.
   cuda::waitAtLeast(stream, flags_.cudaAddress(state.ready.index), state.ready.value,
@@ -293,9 +309,9 @@ void CopyEngineChannel::enqueueEmptying(StagingRing& ring, const StagedSlot& slo
 bool CopyEngineChannel::advanceHeld() {
   bool advanced = false;
   for (auto it = held_.begin(); it != held_.end();) {
-    const bool ready = it->peer->flags->isSet(it->clearance->header.ready);
+    const bool ready = it->peerFlags->isSet(it->clearance->header.ready);
     std::optional<StagedSlot> slot;
-    if (!ready) slot = it->remote->nextFree(*it->peer->flags);
+    if (!ready) slot = it->remote->nextFree(*it->peerFlags);
     if (!ready && !slot) {
       ++it;
       continue;
@@ -319,6 +335,7 @@ bool CopyEngineChannel::advanceHeld() {
 }
 
 bool CopyEngineChannel::progress() {
+  thread_.check("CopyEngineChannel::progress");
   bool moved = advanceHeld();
   for (auto it = moving_.begin(); it != moving_.end();) {
     if (finishMove(*it)) {
@@ -333,12 +350,13 @@ bool CopyEngineChannel::progress() {
 
 bool CopyEngineChannel::finishMove(Transfer& transfer) {
   Op& op = *transfer.op;
+  const CopyEngineOp& state = copyEngineOp(op);
   if (op.isSend()) {
-    if (!op.cuda->copied->reached()) {
+    if (!state.copied->reached()) {
       return false;
     }
     // The DMA stream waited for `produced` before the copy that `copied` follows.
-    op.cuda->produced->markReached();
+    state.produced->markReached();
     --op.outstanding;
     if (!transfer.slot) {
       ipc_.done(transfer.peer->address.processKey, transfer.clearance->destination,
@@ -349,8 +367,8 @@ bool CopyEngineChannel::finishMove(Transfer& transfer) {
   }
   // A recv also waits for `queued`: the sender's CPU writes it, and nothing may write the
   // word once it is handed to another op.
-  const cuda::Flag& done = op.cuda->done;
-  if (!flags_.isSet(done.plus(kCopied)) || !flags_.isSet(op.cuda->queued)) {
+  const cuda::Flag& done = state.done;
+  if (!flags_.isSet(done.plus(kCopied)) || !flags_.isSet(state.queued)) {
     return false;
   }
   --op.outstanding;
@@ -364,6 +382,7 @@ bool CopyEngineChannel::finishMove(Transfer& transfer) {
 }
 
 void CopyEngineChannel::cancel(Op& op) {
+  thread_.check("CopyEngineChannel::cancel");
   if (!op.isSend()) {
     return;  // the sender may still copy: the buffer stays until its `done` word says how it ended
   }
@@ -402,7 +421,7 @@ void CopyEngineChannel::partnerGaveUp(Op& op) {
 void CopyEngineChannel::releaseReadiness(Transfer& send) {
   // A submitted copy cannot be taken back; letting it run keeps no stream parked on a
   // `ready` that may never come (a wedged or dead peer).
-  send.peer->flags->set(send.clearance->header.ready);
+  send.peerFlags->set(send.clearance->header.ready);
 }
 
 std::list<CopyEngineChannel::Transfer>::iterator CopyEngineChannel::abandon(
@@ -457,7 +476,7 @@ std::string CopyEngineChannel::describeWait(const Op& op) const {
   auto flag = [](const char* name, uint32_t word, const cuda::Flag& wanted) {
     return concat(name, " ", wanted.index, ":", word, "/", wanted.value);
   };
-  const CudaOpState& state = *op.cuda;
+  const CopyEngineOp& state = copyEngineOp(op);
   std::string text = flag("queued", flags_.wordOf(state.queued), state.queued);
   if (!op.isSend()) {
     text += concat(", ", flag("ready", flags_.wordOf(state.ready), state.ready), ", ",
@@ -479,7 +498,7 @@ std::string CopyEngineChannel::describeWait(const Op& op) const {
     if (send.op.get() == &op) {
       const cuda::Flag& theirs = send.clearance->header.ready;
       text += concat(", held for a staging slot or peer ",
-                     flag("ready", send.peer->flags->wordOf(theirs), theirs));
+                     flag("ready", send.peerFlags->wordOf(theirs), theirs));
     }
   }
   for (const Transfer& send : moving_) {
@@ -487,10 +506,22 @@ std::string CopyEngineChannel::describeWait(const Op& op) const {
       text += concat(", staged in slot ", send.slot->slot, " use ", send.slot->use);
     } else if (send.op.get() == &op) {
       const cuda::Flag& theirs = send.clearance->header.ready;
-      text += concat(", peer ", flag("ready", send.peer->flags->wordOf(theirs), theirs));
+      text += concat(", peer ", flag("ready", send.peerFlags->wordOf(theirs), theirs));
     }
   }
   return text;
+}
+
+void CopyEngineChannel::sweep() {
+  for (auto& [key, ids] : exporter_.sweep()) release_(key, std::move(ids));
+}
+
+void CopyEngineChannel::addStats(std::map<std::string, int64_t>& stats) const {
+  stats["ipc_mappings"] = static_cast<int64_t>(ipc_.size());
+  stats["ipc_exports"] = static_cast<int64_t>(exporter_.size());
+  stats["staging_rings"] = static_cast<int64_t>(rings_.size());
+  stats["staged_sends"] = static_cast<int64_t>(stagedSends_);
+  stats["staged_recvs"] = static_cast<int64_t>(stagedRecvs_);
 }
 
 CUstream CopyEngineChannel::dmaStream(int localDevice, int peerDevice) {

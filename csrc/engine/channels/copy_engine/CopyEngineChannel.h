@@ -12,7 +12,10 @@
 #include <vector>
 
 #include "engine/Channel.h"
-#include "engine/channels/cuda_ipc/StagingRing.h"
+#include "engine/CudaOps.h"
+#include "engine/ProgressThread.h"
+#include "engine/channels/copy_engine/CopyEngineOp.h"
+#include "engine/channels/copy_engine/StagingRing.h"
 #include "engine/cuda/FlagSegment.h"
 #include "engine/cuda/IpcCache.h"
 #include "engine/cuda/IpcExport.h"
@@ -27,7 +30,7 @@ namespace smfree::engine {
 // the sender's `produced` event and the receiver's `ready` word (both submitted when the ops
 // were posted, so before this clearance), copies, records the sender's `copied`, then writes
 // the receiver's `done` word to its kCopied value. Only then do both sides learn `queued`,
-// and only then may a user stream wait for the copy (see CudaOp.h): every stream wait is
+// and only then may a user stream wait for the copy (see CudaFence.h): every stream wait is
 // for work already submitted, so no posting order and no sharing of hardware queues between
 // streams can deadlock.
 //
@@ -41,34 +44,42 @@ class CopyEngineChannel final : public Channel {
  public:
   // Sends a ChannelNotice's data to a peer.
   using Notify = std::function<void(Peer&, std::string)>;
+  // Tells a peer (by process key) that memory it mapped from this process was freed
+  // (MemoryReleased).
+  using Release = std::function<void(const std::string&, std::vector<uint64_t>)>;
 
-  CopyEngineChannel(cuda::FlagSegment& flags, size_t ipcCacheSize, uint64_t stagingBytes,
-                    Done onDone, Notify notify);
+  CopyEngineChannel(CudaOps& cudaOps, const ProgressThread& thread, size_t ipcCacheSize,
+                    uint64_t stagingBytes, Done onDone, Notify notify, Release release);
 
+  // Caller's thread (CopyEngineCaller.cpp).
+  CudaFence prepare(Op& op, const PostOptions& options) override;
+  bool fenceQueued(const CudaFence& fence) override;
+  void waitOnStream(void* stream, int device, const CudaFence& fence) override;
+
+  // Progress thread.
+  bool reaches(const Peer& peer) const override;
+  bool callsCudaOnProgressThread(const Op& op) const override { return true; }
   std::string armRecv(const std::shared_ptr<Op>& recv, Peer& source) override;
   void startSend(const std::shared_ptr<Op>& send, Peer& destination,
                  const std::string& channelData) override;
   void cancel(Op& op) override;
   void partnerGaveUp(Op& op) override;
+  void ended(Op& op, const Status& status) override;
+  void release(Op& op) override;
   bool progress() override;
   bool busy() const override { return !moving_.empty() || !held_.empty(); }
+  // Sends each peer the ids of memory exported to it that this process has since freed or
+  // unmapped; the peer is to close its mappings (onMemoryReleased()).
+  void sweep() override;
   void peerFailed(Peer& peer) override;
   // Receiver: a sender's notice that it copied a send into a staging slot.
-  void onNotice(Peer& source, const std::string& data);
-
-  size_t ipcMappings() const { return ipc_.size(); }
-  size_t ipcExports() const { return exporter_.size(); }
-  size_t stagingRings() const { return rings_.size(); }
-  uint64_t stagedSends() const { return stagedSends_; }
-  uint64_t stagedRecvs() const { return stagedRecvs_; }
-  // Per peer, the ids of memory exported to it that its owner (this process) has since freed
-  // or unmapped; the peer is to close its mappings (memoryReleased()).
-  std::map<std::string, std::vector<uint64_t>> sweepExports() { return exporter_.sweep(); }
-  void memoryReleased(const std::string& owner, const std::vector<uint64_t>& ids) {
+  void onNotice(Peer& source, const std::string& data) override;
+  void onMemoryReleased(const std::string& owner, const std::vector<uint64_t>& ids) override {
     ipc_.forget(owner, ids);
   }
-  // For the pending-op table: which flags an op still waits for, as "name index:word/wanted".
-  std::string describeWait(const Op& op) const;
+  // Which flags an op still waits for, as "name index:word/wanted".
+  std::string describeWait(const Op& op) const override;
+  void addStats(std::map<std::string, int64_t>& stats) const override;
 
  private:
   // The fixed part of the receiver's clear-to-send: its flags and op, then the sizes of the
@@ -88,6 +99,7 @@ class CopyEngineChannel final : public Channel {
   struct Transfer {
     std::shared_ptr<Op> op;
     Peer* peer;
+    cuda::RemoteFlagSegment* peerFlags;        // sends: the receiver's flag segment
     std::optional<Clearance> clearance;        // sends
     std::shared_ptr<RemoteStagingRing> remote; // sends that may be or were staged
     std::shared_ptr<StagingRing> ring;         // recvs whose copy-out is submitted
@@ -97,11 +109,13 @@ class CopyEngineChannel final : public Channel {
 
   Clearance readClearance(const Op& send, Peer& destination, const std::string& channelData);
   bool stageable(uint64_t bytes) const;
+  // The peer's flag segment, mapped on the first send to it.
+  cuda::RemoteFlagSegment& flagsOf(const Peer& peer);
   std::shared_ptr<StagingRing> ringFor(const Peer& source, int device);
 
   void submitDirect(Transfer send);
   void submitStaged(Transfer send, const StagedSlot& slot);
-  void enqueueCopy(const Op& send, Peer& peer, const Clearance& clearance, CUstream stream);
+  void enqueueCopy(const Transfer& send, CUstream stream);
   void enqueueStagedCopy(Transfer& send, const StagedSlot& slot, CUstream stream);
   void enqueueCopyOut(const Op& recv, StagingRing& ring, const StagedSlot& slot, CUstream stream);
   void enqueueEmptying(StagingRing& ring, const StagedSlot& slot, CUstream stream);
@@ -119,12 +133,17 @@ class CopyEngineChannel final : public Channel {
   CUstream dmaStream(int localDevice, int peerDevice);
   CUstream copyOutStream(int device);
 
+  CudaOps& cudaOps_;
+  const ProgressThread& thread_;
   cuda::FlagSegment& flags_;
   cuda::IpcExporter exporter_;
   cuda::IpcCache ipc_;
   uint64_t stagingBytes_;
   Done onDone_;
   Notify notify_;
+  Release release_;
+  // By peer process key; kept after a peer fails, while copies still write its words.
+  std::map<std::string, std::unique_ptr<cuda::RemoteFlagSegment>> peerFlags_;
   std::map<RingKey, std::shared_ptr<StagingRing>> rings_;  // null: none can be had
   std::map<RingKey, std::shared_ptr<RemoteStagingRing>> remoteRings_;
   std::list<Transfer> held_;    // cleared sends waiting for a slot or for `ready`

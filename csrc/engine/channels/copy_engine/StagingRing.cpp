@@ -1,4 +1,4 @@
-#include "engine/channels/cuda_ipc/StagingRing.h"
+#include "engine/channels/copy_engine/StagingRing.h"
 
 #include <cstring>
 

@@ -1,0 +1,43 @@
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <memory>
+
+#include "engine/Channel.h"
+
+namespace smfree::engine {
+
+// The engine's data channels, by kind. Iterated in the order the progress loop drives them:
+// the copy engines, then UCX.
+class Channels {
+ public:
+  Channels(std::unique_ptr<Channel> copyEngine, std::unique_ptr<Channel> ucx)
+      : all_{std::move(copyEngine), std::move(ucx)} {}
+
+  Channel& of(ChannelKind kind) { return *all_[kind == ChannelKind::kCopyEngine ? 0 : 1]; }
+  Channel& of(const Op& op) { return of(op.channel); }
+
+  template <typename Visit>
+  void forEach(Visit visit) {
+    for (auto& channel : all_) visit(*channel);
+  }
+  // Whether any channel has commitments in flight (Channel::committed).
+  bool committed() const { return any([](const Channel& c) { return c.committed(); }); }
+  bool busy() const { return any([](const Channel& c) { return c.busy(); }); }
+  // Destroys them: UCX first, its receive lane after its endpoints' flushes.
+  void reset() {
+    all_[1].reset();
+    all_[0].reset();
+  }
+
+ private:
+  template <typename Test>
+  bool any(Test test) const {
+    return std::any_of(all_.begin(), all_.end(), [&](const auto& c) { return test(*c); });
+  }
+
+  std::array<std::unique_ptr<Channel>, 2> all_;
+};
+
+}  // namespace smfree::engine

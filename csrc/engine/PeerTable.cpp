@@ -1,0 +1,133 @@
+#include "engine/PeerTable.h"
+
+#include <algorithm>
+
+#include "engine/Error.h"
+#include "engine/transports/ucx/UcxControl.h"
+#include "engine/transports/ucx/UcxStatus.h"
+#include "engine/transports/ucx/UcxWorker.h"
+
+namespace smfree::engine {
+
+PeerTable::PeerTable(const PeerAddress& local, UcxWorker& worker, UcxControl& control,
+                     Channels& channels, Failures& failures, const ProgressThread& thread,
+                     OnFailure onFailure)
+    : local_(local),
+      worker_(worker),
+      control_(control),
+      channels_(channels),
+      failures_(failures),
+      thread_(thread),
+      onFailure_(std::move(onFailure)) {}
+
+PeerTable::Attached PeerTable::attach(const PeerAddress& address) {
+  thread_.check("PeerTable::attach");
+  if (Peer* existing = find(address.processKey)) {
+    return {existing, std::nullopt};
+  }
+  std::optional<std::string> unreachable;
+  std::unique_ptr<Peer> added = makePeer(address, unreachable);
+  Peer* peer = added.get();
+  peers_.emplace(address.processKey, std::move(added));
+  return {peer, unreachable};
+}
+
+std::unique_ptr<Peer> PeerTable::makePeer(const PeerAddress& address,
+                                          std::optional<std::string>& unreachable) {
+  auto peer = std::make_unique<Peer>();
+  peer->address = address;
+  peer->sameHost = address.hostKey == local_.hostKey;
+  peer->flushBound = flushBound_;
+  if (peer->sameHost) {
+    peer->watch = std::make_unique<ProcessWatch>(address.pid);
+    if (!peer->watch->alive()) {
+      unreachable = "the process exited";
+      return peer;
+    }
+  }
+  const std::string key = address.processKey;
+  const auto onError = [this, key](const std::string& why) { fail(key, why); };
+  try {
+    // Same host: shared memory and CMA need UCX's peer-failure handling off; the watch
+    // notices a dead peer instead.
+    peer->endpoint = std::make_unique<UcxEndpoint>(
+        worker_.handle(), address.workerAddress, !peer->sameHost, peer->flushBound,
+        [onError](ucs_status_t status) { onError(ucxPeerErrorText(status)); });
+    channels_.forEach([&](Channel& channel) { channel.connect(*peer, onError); });
+  } catch (const Error& error) {
+    // UCX cannot attach to the shared memory or socket of an engine that has closed.
+    if (peer->endpoint) peer->endpoint->peerGone();  // unreachable: no flush to wait for
+    peer->endpoint.reset();
+    if (peer->watch && !peer->watch->alive()) {
+      unreachable = "the process exited";
+    } else {
+      unreachable = concat("cannot reach it (did it close its groups?): ", reasonOf(error));
+    }
+  }
+  return peer;
+}
+
+Peer* PeerTable::find(const std::string& processKey) {
+  auto it = peers_.find(processKey);
+  return it == peers_.end() ? nullptr : it->second.get();
+}
+
+void PeerTable::fail(const std::string& processKey, const std::string& why) {
+  thread_.check("PeerTable::fail");
+  Peer* peer = find(processKey);
+  if (!peer || peer->failed) {
+    return;
+  }
+  peer->failed = true;
+  peer->failure = concat("its peer process (", peer->describe(), ") failed: ", why);
+  failures_.recordPeer(processKey, peer->failure);
+  onFailure_(*peer, why);
+}
+
+void PeerTable::check() {
+  thread_.check("PeerTable::check");
+  for (auto& [key, peer] : peers_) {
+    if (peer->watch && !peer->failed && !peer->watch->alive()) {
+      fail(key, "the process exited");
+    }
+    // Dropped here, outside any UCX callback; UCX keeps them until the worker goes.
+    if (peer->failed && peer->sameHost && peer->endpoint) {
+      peer->endpoint->peerGone();
+      peer->endpoint.reset();
+      channels_.forEach([&](Channel& channel) { channel.disconnect(*peer); });
+    }
+  }
+}
+
+void PeerTable::appendWatchFds(std::vector<pollfd>& events) const {
+  for (const auto& [key, peer] : peers_) {
+    if (peer->watch && peer->watch->fd() >= 0 && !peer->failed) {
+      events.push_back({peer->watch->fd(), POLLIN, 0});
+    }
+  }
+}
+
+void PeerTable::send(Peer& peer, const ControlMessage& message) {
+  if (peer.failed) {
+    return;
+  }
+  const std::string key = peer.address.processKey;
+  control_.send(*peer.endpoint, encode(message), [this, key](ucs_status_t status) {
+    fail(key, concat("a control message failed: ", ucxStatusText(status)));
+  });
+}
+
+void PeerTable::raiseFlushBound(std::chrono::milliseconds timeout) {
+  thread_.check("PeerTable::raiseFlushBound");
+  flushBound_ = std::max(flushBound_, timeout);
+}
+
+void PeerTable::flush() {
+  for (auto& [key, peer] : peers_) {
+    if (peer->endpoint) peer->endpoint->flush();
+  }
+}
+
+void PeerTable::clear() { peers_.clear(); }
+
+}  // namespace smfree::engine

@@ -1,0 +1,75 @@
+#pragma once
+
+#include <poll.h>
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "engine/Channels.h"
+#include "engine/Failures.h"
+#include "engine/Peer.h"
+#include "engine/ProgressThread.h"
+#include "engine/Wire.h"
+
+namespace smfree::engine {
+
+class UcxControl;
+class UcxWorker;
+
+// The remote processes this engine talks to, shared by every group, with their control
+// endpoints and their liveness: a same-host peer's process is watched, a remote one's failure
+// reported by UCX. Progress thread only.
+class PeerTable {
+ public:
+  // Called once per failed peer, with why it failed, after it is marked failed.
+  using OnFailure = std::function<void(Peer&, const std::string& why)>;
+
+  PeerTable(const PeerAddress& local, UcxWorker& worker, UcxControl& control, Channels& channels,
+            Failures& failures, const ProgressThread& thread, OnFailure onFailure);
+
+  struct Attached {
+    Peer* peer;
+    std::optional<std::string> unreachable;  // why a new peer cannot be reached: fail() it
+  };
+  // The peer at `address`, connected (control endpoint and channels) on first use.
+  Attached attach(const PeerAddress& address);
+  Peer* find(const std::string& processKey);
+  // Marks the peer failed (the first time) and reports it.
+  void fail(const std::string& processKey, const std::string& why);
+  // Fails same-host peers whose process exited; drops what reached failed ones, outside any
+  // UCX callback.
+  void check();
+  // Same-host peers' pidfds, which turn readable when their process exits.
+  void appendWatchFds(std::vector<pollfd>& events) const;
+  // Dropped while the peer has failed.
+  void send(Peer& peer, const ControlMessage& message);
+  // Groups joined from now on wait up to `timeout` for a peer to take what was sent.
+  void raiseFlushBound(std::chrono::milliseconds timeout);
+  // Engine shutdown, the progress thread gone: waits, each endpoint up to its peer's
+  // flushBound, until the peers on other hosts have taken what was sent on the control
+  // endpoints. Callbacks that run meanwhile find every peer in place.
+  void flush();
+  // Closes every control endpoint (engine shutdown).
+  void clear();
+
+ private:
+  std::unique_ptr<Peer> makePeer(const PeerAddress& address,
+                                 std::optional<std::string>& unreachable);
+
+  const PeerAddress& local_;
+  UcxWorker& worker_;
+  UcxControl& control_;
+  Channels& channels_;
+  Failures& failures_;
+  const ProgressThread& thread_;
+  OnFailure onFailure_;
+  std::unordered_map<std::string, std::unique_ptr<Peer>> peers_;  // by process key
+  std::chrono::milliseconds flushBound_{0};
+};
+
+}  // namespace smfree::engine

@@ -1,0 +1,155 @@
+#include "engine/ProgressLoop.h"
+
+#include <sys/prctl.h>
+
+#include "engine/Log.h"
+#include "engine/PeerTable.h"
+#include "engine/Rendezvous.h"
+#include "engine/cuda/CudaDriver.h"
+#include "engine/transports/ucx/UcxWorker.h"
+
+namespace smfree::engine {
+namespace {
+
+constexpr auto kExpiryScanInterval = std::chrono::milliseconds(20);
+// How often exported CUDA memory is checked for having been freed: what a peer's mapping
+// keeps of the memory after the allocator released it is held for about this long.
+constexpr auto kExportSweepInterval = std::chrono::milliseconds(50);
+// Longest sleep, so expiry is noticed promptly while idle.
+constexpr timespec kIdleSleep{0, 50'000'000};
+// While copies are pending the thread also watches memory, which wakes no fd: it waits for
+// its fds at most this long.
+constexpr timespec kMemoryWatchNap{0, 20'000};
+
+}  // namespace
+
+ProgressLoop::ProgressLoop(const Config& config, UcxWorker& worker, Channels& channels,
+                           PeerTable& peers, Rendezvous& rendezvous, CudaOps& cudaOps,
+                           ProgressThread& thread)
+    : config_(config),
+      worker_(worker),
+      channels_(channels),
+      peers_(peers),
+      rendezvous_(rendezvous),
+      cudaOps_(cudaOps),
+      thread_(thread),
+      progress_([this] { run(); }) {
+  thread_.setOwner(progress_.get_id());
+}
+
+void ProgressLoop::stop() {
+  {
+    std::lock_guard<std::mutex> lock(commandsMutex_);
+    if (stopping_) {
+      return;
+    }
+    stopping_ = true;
+  }
+  worker_.signal();
+  if (progress_.joinable()) {
+    progress_.join();
+  }
+  thread_.setOwner(std::thread::id());
+}
+
+void ProgressLoop::submit(std::function<void()> command) {
+  bool wake = false;
+  {
+    std::lock_guard<std::mutex> lock(commandsMutex_);
+    if (stopping_) {
+      fail("the engine has shut down");
+    }
+    commands_.push_back(std::move(command));
+    wake = sleeping_;
+  }
+  if (wake) {
+    worker_.signal();
+  }
+}
+
+void ProgressLoop::run() {
+  // Every hop of a rendezvous passes through this thread: a sleep that overshoots by the
+  // default 50 µs timer slack showed up as +10 % pipeline step time.
+  prctl(PR_SET_TIMERSLACK, 1000UL);
+  prctl(PR_SET_NAME, "smfree-progress");  // what top -H and py-spy show for this thread
+  auto lastActivity = Clock::now();
+  auto lastScan = lastActivity;
+  auto lastSweep = lastActivity;
+  // UCX pins host memory for CUDA copies only while a context is current (cuda_copy's
+  // registration is a no-op otherwise), and it allocates its host staging fragments from
+  // inside worker progress. Unpinned fragments halved host-staged bandwidth, so once a CUDA
+  // buffer has gone to UCX its device's context stays current on this thread.
+  cuda::CurrentContext channelContext;
+  while (runCommands()) {
+    rendezvous_.startHeldOps();
+    bool active = false;
+    channels_.forEach([&](Channel& channel) {
+      active = channel.progress() || active;
+      if (const int device = channel.contextDevice(); device >= 0) channelContext.use(device);
+    });
+    while (worker_.progress() != 0) {
+      active = true;
+    }
+    const auto now = Clock::now();
+    if (active) {
+      lastActivity = now;
+    }
+    if (now - lastScan >= kExpiryScanInterval) {
+      peers_.check();
+      cudaOps_.recycle();
+      rendezvous_.expireOps(now);
+      lastScan = now;
+    }
+    if (now - lastSweep >= kExportSweepInterval) {
+      channels_.forEach([](Channel& channel) { channel.sweep(); });
+      lastSweep = now;
+    }
+    if (now - lastActivity < config_.spin || !worker_.arm()) {
+      continue;
+    }
+    {
+      // The worker is armed: from here on a submitter must fire its event fd.
+      std::lock_guard<std::mutex> lock(commandsMutex_);
+      if (!commands_.empty() || stopping_) {
+        continue;
+      }
+      sleeping_ = true;
+    }
+    sleep();
+  }
+}
+
+bool ProgressLoop::runCommands() {
+  std::deque<std::function<void()>> batch;
+  {
+    std::lock_guard<std::mutex> lock(commandsMutex_);
+    if (stopping_) {
+      return false;
+    }
+    sleeping_ = false;
+    batch.swap(commands_);
+  }
+  for (auto& command : batch) {
+    try {
+      command();
+    } catch (const std::exception& error) {
+      log(LogLevel::kError, "internal command failed: ", error.what());
+    }
+  }
+  return true;
+}
+
+void ProgressLoop::sleep() {
+  // Submitters signal the worker, which fires its armed event fd; a same-host peer's exit
+  // fires its pidfd. Flags in memory fire nothing, so while copies are in flight the wait
+  // is short.
+  std::vector<pollfd>& events = sleepEvents_;  // reused: this runs every 20 µs while busy
+  events.assign(1, pollfd{worker_.eventFd(), POLLIN, 0});
+  peers_.appendWatchFds(events);
+  const timespec& timeout = channels_.busy() ? kMemoryWatchNap : kIdleSleep;
+  if (ppoll(events.data(), events.size(), &timeout, nullptr) > 0 && events.size() > 1) {
+    peers_.check();
+  }
+}
+
+}  // namespace smfree::engine

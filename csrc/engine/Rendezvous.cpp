@@ -1,0 +1,511 @@
+#include "engine/Rendezvous.h"
+
+#include <algorithm>
+#include <sstream>
+
+#include "engine/Error.h"
+#include "engine/Log.h"
+
+namespace smfree::engine {
+namespace {
+
+int64_t millisSince(Clock::time_point then, Clock::time_point now) {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(now - then).count();
+}
+
+std::string crossHostCuda(const Op& op, const Peer& peer) {
+  return concat(op.describe(), " failed: rank ", op.partner(), " (", peer.describe(),
+                ") is on another host, out of reach of the copy engines "
+                "(SMFREE_TRANSPORT=copy_engine); use auto or ucx");
+}
+
+const char* channelName(ChannelKind kind) {
+  return kind == ChannelKind::kCopyEngine ? "the copy engines" : "UCX";
+}
+
+std::string mismatchMessage(const GroupConfig& group, const ReadyToSend& send, const Op& recv) {
+  const char* what = send.desc.device != recv.request.desc.device ? "device" : "size or dtype";
+  return concat(what, " mismatch in group '", group.name, "', tag ", send.tag, ": rank ",
+                send.source, " sends ", send.desc.describe(), " to rank ", group.rank,
+                ", which receives into ", recv.request.desc.describe());
+}
+
+// The moves Rendezvous::transition() makes: one step forward, or to kEnded from any state
+// before it; to kReleased only once no channel holds the buffer.
+bool allowed(const Op& op, OpState next) {
+  switch (next) {
+    case OpState::kPosted:
+      return false;
+    case OpState::kWaiting:
+      return op.state == OpState::kPosted;
+    case OpState::kMoving:
+      return op.state == OpState::kWaiting;
+    case OpState::kEnded:
+      return op.state < OpState::kEnded;
+    case OpState::kReleased:
+      return op.state == OpState::kEnded && op.outstanding == 0;
+  }
+  return false;
+}
+
+}  // namespace
+
+Rendezvous::Rendezvous(Channels& channels, PeerTable& peers, Failures& failures,
+                       const ProgressThread& thread)
+    : channels_(channels), peers_(peers), failures_(failures), thread_(thread) {}
+
+void Rendezvous::shutDown() {
+  thread_.check("Rendezvous::shutDown");
+  std::vector<std::shared_ptr<Op>> left;
+  for (const auto& [id, op] : live_) left.push_back(op);
+  left.insert(left.end(), heldOps_.begin(), heldOps_.end());
+  for (const std::shared_ptr<Op>& op : left) {
+    const std::string why = concat(op->describe(), " failed: the smfree engine shut down");
+    failOp(op, StatusCode::kAborted, why);
+  }
+  heldOps_.clear();
+  live_.clear();
+  groups_.clear();
+}
+
+void Rendezvous::registerGroup(std::shared_ptr<const GroupConfig> config) {
+  thread_.check("Rendezvous::registerGroup");
+  const uint64_t id = groupIdOf(config->name);
+  auto existing = groups_.find(id);
+  if (existing != groups_.end() && !existing->second.closed) {
+    fail("group '", config->name, "' is already open in this process (or its name hashes like "
+         "group '", existing->second.config->name, "')");
+  }
+  failures_.forgetAfterWait(id);  // of a closed group of the same name
+  GroupState& state = groups_[id];
+  state = GroupState{};
+  state.config = config;
+  state.id = id;
+  state.peers.assign(config->size, nullptr);
+  auto orphans = orphans_.find(id);
+  if (orphans != orphans_.end()) {
+    for (ReadyToSend& rts : orphans->second) {
+      state.matcher.announce(std::move(rts));  // no recv is posted yet: nothing can match
+    }
+    orphans_.erase(orphans);
+  }
+}
+
+void Rendezvous::closeGroup(uint64_t groupId, StatusCode code, const std::string& reason) {
+  thread_.check("Rendezvous::closeGroup");
+  GroupState* group = findGroup(groupId);
+  if (!group || group->closed) {
+    return;
+  }
+  group->closed = true;
+  group->closeReason = reason;
+  std::vector<std::shared_ptr<Op>> affected;
+  for (auto& [id, op] : live_) {
+    if (op->groupId == groupId && !op->finished()) affected.push_back(op);
+  }
+  for (auto& op : affected) {
+    const bool moving = op->state == OpState::kMoving;
+    failOp(op, code, concat(op->describe(), " failed: ", reason));
+    if (moving) channels_.of(*op).cancel(*op);
+  }
+  group->matcher.clear();
+  std::deque<std::shared_ptr<Op>> held;
+  for (auto& op : heldOps_) {
+    if (op->groupId != groupId) {
+      held.push_back(op);
+    } else {
+      failOp(op, code, concat(op->describe(), " failed: ", reason));
+    }
+  }
+  heldOps_.swap(held);
+}
+
+size_t Rendezvous::releasedOpsInFlight(std::optional<uint64_t> groupId) {
+  thread_.check("Rendezvous::releasedOpsInFlight");
+  size_t count = 0;
+  for (const auto& [id, op] : live_) {
+    if (groupId && op->groupId != *groupId) continue;
+    if (!op->finished() && channels_.of(*op).outlivesWait(*op)) ++count;
+  }
+  return count;
+}
+
+std::string Rendezvous::dumpPending(uint64_t groupId) {
+  thread_.check("Rendezvous::dumpPending");
+  const auto now = Clock::now();
+  std::ostringstream out;
+  size_t count = 0;
+  for (const auto& [id, op] : live_) {
+    if (op->groupId != groupId || op->finished()) continue;
+    ++count;
+    out << "  " << op->describe() << ", posted " << millisSince(op->posted, now) << " ms ago, "
+        << (op->state == OpState::kMoving
+                ? "moving data"
+                : (op->isSend() ? "waiting for the receiver" : "waiting for a matching send"));
+    if (const std::string wait = channels_.of(*op).describeWait(*op); !wait.empty()) {
+      out << " [flags " << wait << "]";
+    }
+    out << "\n";
+  }
+  if (GroupState* group = findGroup(groupId)) {
+    group->matcher.forEachWaiting([&](const Announcement& announcement) {
+      ++count;
+      out << "  announced send from rank " << announcement.rts.source << " (tag "
+          << announcement.rts.tag << ", " << announcement.rts.desc.describe()
+          << "), waiting for a recv" << (announcement.cancelled ? " (cancelled by sender)" : "")
+          << "\n";
+    });
+  }
+  return concat(count, " pending:\n", out.str());
+}
+
+void Rendezvous::startHeldOps() {
+  if (heldOps_.empty() || channels_.committed()) return;
+  std::deque<std::shared_ptr<Op>> held;
+  held.swap(heldOps_);
+  for (const std::shared_ptr<Op>& op : held) startOp(op);
+}
+
+std::optional<Status> Rendezvous::refusalAtStart(const Op& op, const GroupState* group) {
+  if (!group || group->closed) {
+    return Status::failure(StatusCode::kAborted,
+                           concat(op.describe(), " failed: the group is closed"));
+  }
+  if (op.request.peer == kAnySource) {
+    return std::nullopt;
+  }
+  const Peer* peer = group->peers[op.request.peer];
+  if (!peer || peer->failed) {
+    return Status::failure(StatusCode::kPeerFailure,
+                           concat(op.describe(), " failed: ",
+                                  peer ? peer->failure : "the peer is not connected"));
+  }
+  if (!channels_.of(op).reaches(*peer)) {
+    return Status::failure(StatusCode::kTransport, crossHostCuda(op, *peer));
+  }
+  return std::nullopt;
+}
+
+void Rendezvous::startOp(const std::shared_ptr<Op>& op) {
+  thread_.check("Rendezvous::startOp");
+  if (!heldOps_.empty()) {
+    heldOps_.push_back(op);  // ops start in posting order: they match in it
+    return;
+  }
+  if (channels_.of(*op).callsCudaOnProgressThread(*op)) {
+    channels_.forEach([&](Channel& channel) { channel.progressThreadCallsCuda(*op); });
+    // Its CUDA calls could stall this thread while a peer's stream waits for bytes it moves.
+    if (channels_.committed()) {
+      heldOps_.push_back(op);
+      return;
+    }
+  }
+  GroupState* group = findGroup(op->groupId);
+  if (const auto refusal = refusalAtStart(*op, group)) {
+    transition(op, OpState::kEnded, *refusal);
+    return;
+  }
+  live_.emplace(op->id, op);
+  transition(op, OpState::kWaiting);
+  if (op->isSend()) {
+    Peer& peer = *group->peers[op->request.peer];
+    op->seq = group->sendSeq[{op->request.peer, op->request.tag}]++;
+    const bool promised = channels_.of(*op).promiseSend(*op);
+    // Announced first: preparing may take a while (pinned memory allocated), and the receiver
+    // can match meanwhile.
+    peers_.send(peer, ReadyToSend{op->groupId, group->config->rank, op->request.tag, op->seq,
+                                  op->id, op->request.desc, op->channel, promised});
+    try {
+      channels_.of(*op).prepareSend(op, peer);
+    } catch (const Error& error) {
+      // Its clear-to-send then finds it failed and tells the receiver.
+      failOp(op, StatusCode::kTransport, error.what());
+    }
+    return;
+  }
+  if (auto match = group->matcher.postRecv(op)) {
+    onMatched(*group, *match);
+  }
+}
+
+void Rendezvous::onReadyToSend(const ReadyToSend& message) {
+  thread_.check("Rendezvous::onReadyToSend");
+  GroupState* group = findGroup(message.group);
+  if (!group) {
+    orphans_[message.group].push_back(message);
+    return;
+  }
+  if (group->closed) {
+    log(LogLevel::kDebug, "dropped a send announced to closed group '", group->config->name, "'");
+    return;
+  }
+  for (Matcher::Match& match : group->matcher.announce(message)) {
+    onMatched(*group, match);
+  }
+}
+
+std::optional<Rendezvous::MatchRefusal> Rendezvous::refusalOfMatch(const GroupState& group,
+                                                                   const Matcher::Match& match,
+                                                                   const Peer& sender) {
+  const Op& recv = *match.recv;
+  const ReadyToSend& rts = match.announcement.rts;
+  const bool compatible = rts.desc.compatibleWith(recv.request.desc);
+  if (!channels_.of(recv).reaches(sender) && compatible) {
+    return MatchRefusal{Status::failure(StatusCode::kTransport, crossHostCuda(recv, sender)), true};
+  }
+  if (match.announcement.cancelled) {
+    return MatchRefusal{Status::failure(StatusCode::kTimeout,
+                                        concat(recv.describe(),
+                                               " failed: the matching send gave up: ",
+                                               match.announcement.cancelReason)),
+                        false};
+  }
+  if (!compatible) {
+    return MatchRefusal{
+        Status::failure(StatusCode::kMismatch, mismatchMessage(*group.config, rts, recv)), true};
+  }
+  if (rts.desc.bytes != 0 && rts.channel != recv.channel) {
+    const std::string why =
+        concat("channel mismatch in group '", group.config->name, "', tag ", rts.tag, ": rank ",
+               rts.source, " sends ", rts.desc.describe(), " over ", channelName(rts.channel),
+               ", rank ", group.config->rank, " receives into ", recv.request.desc.describe(),
+               " over ", channelName(recv.channel),
+               " (SMFREE_TRANSPORT must be alike on every rank)");
+    return MatchRefusal{Status::failure(StatusCode::kMismatch, why), true};
+  }
+  return std::nullopt;
+}
+
+void Rendezvous::onMatched(GroupState& group, Matcher::Match& match) {
+  const std::shared_ptr<Op>& recv = match.recv;
+  const ReadyToSend& rts = match.announcement.rts;
+  Peer* sender = group.peers[rts.source];
+  if (!sender) {
+    // Cannot happen for a specific recv (it connects first); any-source recvs connect to all.
+    failOp(recv, StatusCode::kTransport,
+           concat(recv->describe(), " matched rank ", rts.source,
+                  ", which it is not connected to"));
+    return;
+  }
+  if (recv->finished()) {
+    // The recv timed out earlier but kept its place in line: refuse the send it was meant for.
+    peers_.send(*sender, Refusal{group.id, group.config->rank, rts.sendId, StatusCode::kTimeout,
+                                 concat("the matching ", recv->describe(),
+                                        " had already timed out")});
+    return;
+  }
+  recv->source = rts.source;
+  if (recv->request.onMatched) recv->request.onMatched(rts.source);
+  if (const auto refusal = refusalOfMatch(group, match, *sender)) {
+    transition(recv, OpState::kEnded, refusal->status);
+    if (refusal->tellSender) {
+      peers_.send(*sender, Refusal{group.id, group.config->rank, rts.sendId, refusal->status.code,
+                                   refusal->status.message});
+    }
+    return;
+  }
+  ClearToSend clear{group.id, group.config->rank, rts.sendId, recv->id, {}};
+  if (rts.desc.bytes == 0) {
+    transition(recv, OpState::kEnded, Status::success());
+    peers_.send(*sender, clear);
+    return;
+  }
+  transition(recv, OpState::kMoving);
+  try {
+    clear.channelData = channels_.of(*recv).armRecv(recv, *sender);
+  } catch (const Error& error) {
+    failOp(recv, StatusCode::kTransport, error.what());
+    peers_.send(*sender, Refusal{group.id, group.config->rank, rts.sendId,
+                                 StatusCode::kTransport, error.what()});
+    return;
+  }
+  peers_.send(*sender, clear);
+  channels_.of(*recv).cleared(recv, rts.promised);
+}
+
+void Rendezvous::onClearToSend(const ClearToSend& message) {
+  thread_.check("Rendezvous::onClearToSend");
+  std::shared_ptr<Op> send = findLive(message.sendId);
+  GroupState* group = findGroup(message.group);
+  Peer* receiver = group ? group->peers[message.receiver] : nullptr;
+  if (!send || send->finished()) {
+    // The send already failed (timeout, abort): its receiver must not wait for the bytes.
+    if (receiver && message.recvId != 0) {
+      peers_.send(*receiver,
+                  Cancellation{message.group, group->config->rank, 0, 0, message.recvId,
+                               send ? concat("the matching send gave up: ", send->describe(),
+                                             " had already failed")
+                                    : concat("the matching send gave up: rank ",
+                                             group->config->rank, " had already failed it")});
+    }
+    return;
+  }
+  if (send->request.desc.bytes == 0) {
+    transition(send, OpState::kEnded, Status::success());
+    return;
+  }
+  if (!receiver) {
+    failOp(send, StatusCode::kTransport,
+           concat(send->describe(), " was cleared by an unknown rank"));
+    return;
+  }
+  if (receiver->failed) {
+    failOp(send, StatusCode::kPeerFailure,
+           concat(send->describe(), " failed: ", receiver->failure));
+    return;
+  }
+  transition(send, OpState::kMoving);
+  try {
+    channels_.of(*send).startSend(send, *receiver, message.channelData);
+  } catch (const Error& error) {
+    failOp(send, StatusCode::kTransport, error.what());
+  }
+}
+
+void Rendezvous::onRefusal(const Refusal& message) {
+  thread_.check("Rendezvous::onRefusal");
+  if (std::shared_ptr<Op> send = findLive(message.sendId)) {
+    failOp(send, message.code, message.reason);
+  }
+}
+
+void Rendezvous::onCancellation(const Cancellation& message) {
+  thread_.check("Rendezvous::onCancellation");
+  if (message.recvId != 0) {
+    std::shared_ptr<Op> recv = findLive(message.recvId);
+    if (!recv) {
+      return;
+    }
+    // Also for a recv that already failed (timed out, group closed): its channel may still
+    // hold the buffer for bytes that will now never come.
+    const bool armed = recv->outstanding > 0;
+    failOp(recv, StatusCode::kTimeout, concat(recv->describe(), " failed: ", message.reason));
+    if (armed) channels_.of(*recv).partnerGaveUp(*recv);
+    return;
+  }
+  if (GroupState* group = findGroup(message.group)) {
+    group->matcher.cancel(message.source, message.tag, message.seq, message.reason);
+  }
+}
+
+void Rendezvous::onTransferDone(const std::shared_ptr<Op>& op, const Status& status) {
+  thread_.check("Rendezvous::onTransferDone");
+  transition(op, OpState::kEnded, status);
+  transition(op, OpState::kReleased);
+}
+
+void Rendezvous::peerFailed(Peer& peer, const std::string& why) {
+  thread_.check("Rendezvous::peerFailed");
+  std::vector<std::shared_ptr<Op>> affected;
+  for (auto& [id, op] : live_) {
+    if (!op->finished() && partnerOf(*op) == &peer) affected.push_back(op);
+  }
+  // A peer leaving after every group with it closed is a normal exit.
+  const bool matters = !affected.empty() || referencedByOpenGroup(peer);
+  log(matters ? LogLevel::kWarn : LogLevel::kDebug, "peer ", peer.describe(), " failed: ", why);
+  for (auto& op : affected) {
+    const bool moving = op->state == OpState::kMoving;
+    failOp(op, StatusCode::kPeerFailure, concat(op->describe(), " failed: ", peer.failure));
+    if (moving) channels_.of(*op).cancel(*op);
+  }
+}
+
+void Rendezvous::expireOps(Clock::time_point now) {
+  thread_.check("Rendezvous::expireOps");
+  std::vector<std::shared_ptr<Op>> expired;
+  for (auto& [id, op] : live_) {
+    if (!op->finished() && now >= op->deadline) expired.push_back(op);
+  }
+  std::vector<uint64_t> reported;
+  for (auto& op : expired) {
+    if (std::find(reported.begin(), reported.end(), op->groupId) == reported.end()) {
+      reported.push_back(op->groupId);
+      log(LogLevel::kWarn, "timeout in group '", op->config->name, "'; ",
+          dumpPending(op->groupId));
+    }
+    expire(op, now);
+  }
+}
+
+void Rendezvous::expire(const std::shared_ptr<Op>& op, Clock::time_point now) {
+  const int64_t age = millisSince(op->posted, now);
+  const int64_t limit = millisSince(op->posted, op->deadline);
+  const bool moving = op->state == OpState::kMoving;
+  const std::string why = concat(
+      op->describe(),
+      moving ? " did not finish"
+             : (op->isSend() ? " was not matched by a recv" : " was not matched by a send"),
+      " within the group timeout of ", limit, " ms (posted ", age, " ms ago)");
+  failOp(op, StatusCode::kTimeout, why);
+  if (moving) {
+    channels_.of(*op).cancel(*op);
+  }
+  // An announced send still holds a place in the receiver's line: tell it the send gave up.
+  if (op->isSend() && !moving) {
+    if (Peer* peer = partnerOf(*op); peer && !peer->failed) {
+      peers_.send(*peer, Cancellation{op->groupId, op->config->rank, op->request.tag, op->seq, 0,
+                                      why});
+    }
+  }
+}
+
+void Rendezvous::failOp(const std::shared_ptr<Op>& op, StatusCode code, std::string why) {
+  transition(op, OpState::kEnded, Status::failure(code, std::move(why)));
+}
+
+bool Rendezvous::transition(const std::shared_ptr<Op>& op, OpState next, const Status& status) {
+  if (!allowed(*op, next)) {
+    return false;
+  }
+  op->state = next;
+  if (next == OpState::kEnded) {
+    OpCallback callback = std::move(op->request.onComplete);
+    op->request.onComplete = nullptr;
+    if (callback) {
+      try {
+        callback(status, op->source);
+      } catch (const std::exception& error) {
+        log(LogLevel::kError, "completion callback of ", op->describe(), " threw: ", error.what());
+      }
+    }
+    // After the callback, so a caller whose stream wait the channel releases sees the error.
+    channels_.of(*op).ended(*op, status);
+    transition(op, OpState::kReleased);
+  } else if (next == OpState::kReleased) {
+    op->request.keepalive.reset();
+    channels_.of(*op).release(*op);
+    live_.erase(op->id);
+  }
+  return true;
+}
+
+GroupState* Rendezvous::findGroup(uint64_t groupId) {
+  auto it = groups_.find(groupId);
+  return it == groups_.end() ? nullptr : &it->second;
+}
+
+std::shared_ptr<Op> Rendezvous::findLive(uint64_t opId) {
+  auto it = live_.find(opId);
+  return it == live_.end() ? nullptr : it->second;
+}
+
+Peer* Rendezvous::partnerOf(const Op& op) {
+  GroupState* group = findGroup(op.groupId);
+  const int rank = op.partner();
+  if (!group || rank < 0 || rank >= static_cast<int>(group->peers.size())) {
+    return nullptr;
+  }
+  return group->peers[rank];
+}
+
+bool Rendezvous::referencedByOpenGroup(const Peer& peer) const {
+  for (const auto& [id, group] : groups_) {
+    if (group.closed) continue;
+    for (const Peer* member : group.peers) {
+      if (member == &peer) return true;
+    }
+  }
+  return false;
+}
+
+}  // namespace smfree::engine

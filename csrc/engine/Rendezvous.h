@@ -1,0 +1,103 @@
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "engine/Channels.h"
+#include "engine/Failures.h"
+#include "engine/GroupState.h"
+#include "engine/Op.h"
+#include "engine/PeerTable.h"
+#include "engine/ProgressThread.h"
+#include "engine/Wire.h"
+
+namespace smfree::engine {
+
+// The control protocol between engines, and every op's life from its start on the progress
+// thread to its release: a send is announced to its receiver (ReadyToSend), which matches it
+// with a recv in posting order and clears it (ClearToSend, with what the channel needs to
+// deliver the bytes) or refuses it (Refusal); a side that gives up tells the other
+// (Cancellation). Owns the groups, as the progress thread sees them, and the live ops, whose
+// state (OpState) changes in transition() alone. Progress thread only.
+class Rendezvous {
+ public:
+  Rendezvous(Channels& channels, PeerTable& peers, Failures& failures,
+             const ProgressThread& thread);
+
+  void registerGroup(std::shared_ptr<const GroupConfig> config);
+  GroupState* findGroup(uint64_t groupId);
+  // Fails the group's pending ops with `reason` and refuses new ones.
+  void closeGroup(uint64_t groupId, StatusCode code, const std::string& reason);
+
+  // A posted op: announced (send) or matched (recv) unless it is refused.
+  void startOp(const std::shared_ptr<Op>& op);
+  // Starts the ops held back while a channel was committed, once none is.
+  void startHeldOps();
+
+  void onReadyToSend(const ReadyToSend& message);
+  void onClearToSend(const ClearToSend& message);
+  void onRefusal(const Refusal& message);
+  void onCancellation(const Cancellation& message);
+  // A channel no longer touches the op's buffer (Channel::Done).
+  void onTransferDone(const std::shared_ptr<Op>& op, const Status& status);
+  // Fails the ops with the peer, which has just failed with `why`.
+  void peerFailed(Peer& peer, const std::string& why);
+  // Fails the ops past their deadline.
+  void expireOps(Clock::time_point now);
+  // The engine shuts down, its progress thread gone: fails what is left and forgets it all.
+  void shutDown();
+
+  // Ops of the group (or of all) not yet ended whose caller's wait() may have returned.
+  size_t releasedOpsInFlight(std::optional<uint64_t> groupId);
+  std::string dumpPending(uint64_t groupId);
+  size_t liveOps() const { return live_.size(); }
+
+ private:
+  // Why a refused match is refused, and whether the sender is to hear it (one that cancelled
+  // its send knows).
+  struct MatchRefusal {
+    Status status;
+    bool tellSender;
+  };
+
+  // Moves the op to `next` and does what entering it takes: kEnded tells the caller `status`
+  // and lets the channel release the caller's stream waits; kReleased gives the channel's
+  // resources back and forgets the op. An ended op is released at once unless a channel
+  // still holds its buffer. Returns false, changing nothing, where the op's state does not
+  // allow the move (an op ends once; it is released once no channel holds it).
+  bool transition(const std::shared_ptr<Op>& op, OpState next,
+                  const Status& status = Status::success());
+  // Ends the op with that failure (transition() to kEnded).
+  void failOp(const std::shared_ptr<Op>& op, StatusCode code, std::string why);
+  // Why a starting op is refused: its group closed, its peer failed, or its channel cannot
+  // reach the peer.
+  std::optional<Status> refusalAtStart(const Op& op, const GroupState* group);
+  // Why a matched recv refuses the send: its channel cannot reach the sender, the sender gave
+  // up, or the two disagree on size, dtype, device or channel.
+  std::optional<MatchRefusal> refusalOfMatch(const GroupState& group, const Matcher::Match& match,
+                                             const Peer& sender);
+  void onMatched(GroupState& group, Matcher::Match& match);
+  void expire(const std::shared_ptr<Op>& op, Clock::time_point now);
+  std::shared_ptr<Op> findLive(uint64_t opId);
+  Peer* partnerOf(const Op& op);
+  bool referencedByOpenGroup(const Peer& peer) const;
+
+  Channels& channels_;
+  PeerTable& peers_;
+  Failures& failures_;
+  const ProgressThread& thread_;
+  std::unordered_map<uint64_t, GroupState> groups_;
+  std::unordered_map<uint64_t, std::shared_ptr<Op>> live_;
+  std::unordered_map<uint64_t, std::vector<ReadyToSend>> orphans_;  // for groups not joined yet
+  // Ops that make CUDA calls on this thread, held while a channel is committed, and the ops
+  // started after them (ops start in posting order: they match in it).
+  std::deque<std::shared_ptr<Op>> heldOps_;
+};
+
+}  // namespace smfree::engine

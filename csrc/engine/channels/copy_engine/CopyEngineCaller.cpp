@@ -1,0 +1,80 @@
+// The copy engines' work on the caller's thread: what an op enqueues on the caller's stream at
+// its post, and the fence its wait() puts there; and what the progress thread gives back once
+// the op has ended.
+#include "engine/channels/copy_engine/CopyEngineChannel.h"
+
+#include "engine/cuda/CudaDriver.h"
+#include "engine/cuda/StreamMemoryOps.h"
+
+namespace smfree::engine {
+
+CudaFence CopyEngineChannel::prepare(Op& op, const PostOptions& options) {
+  cudaOps_.admit(options.timeout);
+  auto state = std::make_unique<CopyEngineOp>();
+  state->queued = flags_.acquire();
+  try {
+    if (op.isSend()) {
+      const int device = op.request.buffer.device;
+      state->produced = cuda::takeEvent(device);
+      state->copied = cuda::takeEvent(device);
+      state->produced->record(static_cast<CUstream>(op.request.stream));
+    } else {
+      state->done = flags_.acquire(kDoneSpan);
+      state->ready = flags_.acquire();
+      cudaOps_.writeFromStream(op, state->ready);
+    }
+  } catch (...) {
+    flags_.release(state->queued);
+    // A value of 0 is never handed out: those words were not acquired.
+    if (state->done.value != 0) flags_.release(state->done);
+    if (state->ready.value != 0) flags_.release(state->ready);
+    cudaOps_.retire();
+    throw;
+  }
+  const CudaFence fence{ChannelKind::kCopyEngine, state->queued, state->done, state->copied,
+                        nullptr};
+  op.channelState = std::move(state);
+  return fence;
+}
+
+bool CopyEngineChannel::fenceQueued(const CudaFence& fence) {
+  return flags_.isSet(fence.queued);
+}
+
+void CopyEngineChannel::waitOnStream(void* stream, int device, const CudaFence& fence) {
+  if (fence.copied) {
+    fence.copied->waitOn(static_cast<CUstream>(stream));
+    return;
+  }
+  cuda::ContextGuard context(device);
+  // The flag says a peer's copy engine finished writing our memory over NVLink.
+  cuda::waitForRemoteWrites(static_cast<CUstream>(stream), device,
+                            flags_.cudaAddress(fence.done.index), fence.done.value,
+                            "cuStreamWaitValue32 (done)");
+}
+
+void CopyEngineChannel::ended(Op& op, const Status& status) {
+  // No copy will signal a failed op or an empty one: no user stream stays parked (a send's
+  // `copied`, never recorded then, holds no wait). After the callback, so a caller that sees
+  // `queued` also sees the error.
+  if (status.ok() && op.request.desc.bytes != 0) return;
+  const CopyEngineOp& state = copyEngineOp(op);
+  flags_.set(state.queued);
+  if (!op.isSend()) flags_.set(state.done);
+}
+
+void CopyEngineChannel::release(Op& op) {
+  // No copy can touch `done` any more; `ready` waits for its own stream. Events go with the
+  // last holder (a work may still make a stream wait on `copied`).
+  CopyEngineOp& state = copyEngineOp(op);
+  flags_.release(state.queued);
+  if (!op.isSend()) {
+    flags_.release(state.done);
+    cudaOps_.releaseOnceWritten(state.ready);
+  }
+  state.produced.reset();
+  state.copied.reset();
+  cudaOps_.retire();
+}
+
+}  // namespace smfree::engine

@@ -1,0 +1,140 @@
+// UCX's work on the caller's thread for CUDA ops: what an op enqueues on the caller's stream
+// at its post (a staged send's copies out among it), the copies in that a staged recv's wait()
+// queues, and the fence the caller's stream waits on; and what the progress thread gives back
+// once the op has ended.
+#include <mutex>
+#include <optional>
+
+#include "engine/Log.h"
+#include "engine/channels/ucx/UcxChannel.h"
+
+namespace smfree::engine {
+
+CudaFence UcxChannel::prepare(Op& op, const PostOptions& options) {
+  std::call_once(announcedCuda_, [this] {
+    log(LogLevel::kInfo, "CUDA tensors to some ranks move over UCX (SMFREE_TRANSPORT=",
+        transport_ == Transport::kUcx ? "ucx" : "auto, ranks on other hosts", ")");
+  });
+  const bool staged = options.route.stagedThroughHost && op.request.peer != kAnySource &&
+                      op.request.buffer.bytes > 0;
+  cudaOps_.admit(options.timeout);
+  auto state = std::make_unique<UcxCudaOp>();
+  state->streamReady = flags_.acquire();
+  std::optional<cuda::Flag> queued;
+  try {
+    cudaOps_.writeFromStream(op, state->streamReady);
+    const int device = op.request.buffer.device;
+    state->reached = cuda::takeEvent(device);
+    state->copied = cuda::takeEvent(device);
+    state->reached->record(static_cast<CUstream>(op.request.stream));
+    queued = flags_.acquire();
+    state->queued = *queued;
+    if (staged) state->staging = stageFromCaller(op, *state);
+  } catch (...) {
+    flags_.release(state->streamReady);
+    if (queued) flags_.release(*queued);
+    cudaOps_.retire();
+    throw;
+  }
+  CudaFence fence{ChannelKind::kUcx, state->queued, {}, state->copied, nullptr};
+  if (!op.isSend()) fence.stagedRecv = state->staging;
+  op.channelState = std::move(state);
+  return fence;
+}
+
+std::shared_ptr<CallerStaging> UcxChannel::stageFromCaller(const Op& op,
+                                                           const UcxCudaOp& state) {
+  const Buffer& buffer = op.request.buffer;
+  auto staging = std::make_shared<CallerStaging>();
+  staging->data = buffer.data;
+  staging->bytes = buffer.bytes;
+  staging->device = buffer.device;
+  staging->pieceBytes = stagingPieceBytes(buffer.bytes, pieceBytes_);
+  staging->pieces =
+      static_cast<uint32_t>(stagingPieceCount(buffer.bytes, staging->pieceBytes));
+  staging->reached = state.reached;
+  staging->copied = state.copied;
+  staging->queued = state.queued;
+  staging->host = staging_.take(buffer.device, buffer.bytes);
+  staging->progress = flags_.acquire(staging->pieces);
+  try {
+    if (op.isSend()) {
+      staging_.copyOutInPieces(*staging, flags_);
+    } else {
+      staging->copiedIn = flags_.acquire();
+    }
+  } catch (...) {
+    flags_.release(staging->progress);
+    throw;
+  }
+  return staging;
+}
+
+bool UcxChannel::fenceQueued(const CudaFence& fence) {
+  if (fence.stagedRecv) return queueCopiesInOnceMatched(*fence.stagedRecv);
+  return flags_.isSet(fence.queued);
+}
+
+bool UcxChannel::queueCopiesInOnceMatched(CallerStaging& staging) {
+  if (flags_.isSet(staging.queued)) return true;  // queued, or the recv failed
+  // Matched with a promised send, the copies wait on the GPU for bytes whose copies out are
+  // already queued on the sender's GPU, and which no thread that could stall has to move.
+  // Otherwise they are queued only once the bytes are here: a stream must wait for nothing
+  // else.
+  const int matched = staging.matched.load(std::memory_order_acquire);
+  const bool mayQueue =
+      matched == CallerStaging::kMatchedPromised ||
+      (matched == CallerStaging::kMatchedUnpromised && flags_.isSet(staging.lastPiece()));
+  if (!mayQueue) return false;
+  int state = CallerStaging::kCopiesInOpen;
+  if (!staging.copiesIn.compare_exchange_strong(state, CallerStaging::kCopiesInByCaller)) {
+    return false;  // another thread queues them, or the recv failed: `queued` follows
+  }
+  try {
+    staging_.copyInAsPiecesLand(staging, flags_);
+  } catch (...) {
+    flags_.set(staging.copiedIn);  // the progress thread must not wait for it
+    flags_.set(staging.queued);
+    throw;
+  }
+  flags_.set(staging.queued);
+  sendWorker_.signal();  // the progress thread watches `copiedIn` from now on
+  return true;
+}
+
+void UcxChannel::waitOnStream(void* stream, int device, const CudaFence& fence) {
+  // Never recorded for an unstaged op, whose caller's CPU waited for its end: no wait then.
+  fence.copied->waitOn(static_cast<CUstream>(stream));
+}
+
+void UcxChannel::ended(Op& op, const Status& status) {
+  // A UCX op's waiter, if its copies never set `queued`, waits for the end on the CPU.
+  if (const UcxCudaOp* state = ucxCudaOp(op)) flags_.set(state->queued);
+}
+
+bool UcxChannel::outlivesWait(const Op& op) const {
+  const UcxCudaOp* state = ucxCudaOp(op);
+  return state && flags_.isSet(state->queued);
+}
+
+void UcxChannel::release(Op& op) {
+  UcxCudaOp* state = ucxCudaOp(op);
+  if (!state) return;
+  if (state->promised) --commitments_;
+  flags_.release(state->queued);
+  if (const auto& staging = state->staging) {
+    if (op.isSend()) {
+      cudaOps_.releaseOnceWritten(staging->lastPiece());  // a failed send's copies may still run
+    } else {
+      flags_.release(staging->progress);
+      flags_.release(staging->copiedIn);
+    }
+    staging->host.reset();
+  }
+  state->reached.reset();
+  state->copied.reset();
+  cudaOps_.releaseOnceWritten(state->streamReady);
+  cudaOps_.retire();
+}
+
+}  // namespace smfree::engine
