@@ -5,6 +5,7 @@ time, so the same build runs on machines without a GPU.
 """
 
 import glob
+import hashlib
 import importlib.util
 import os
 import sys
@@ -36,14 +37,43 @@ def ucx_location():
     return os.path.join(root, "include"), os.path.join(root, "lib")
 
 
+CUDA_HEADERS_MISSING = """smfree needs the CUDA headers (cuda.h), even for a CPU-only build: the CUDA
+code paths are always compiled and the driver is loaded at run time. Install either
+  - the CUDA toolkit (cuda.h in $CUDA_HOME/include or /usr/local/cuda/include), or
+  - the pip package that ships them: `pip install nvidia-cuda-runtime` (CUDA 13)
+    or `pip install nvidia-cuda-runtime-cu12` (CUDA 12)
+and build again."""
+
+
 def cuda_include():
-    """cuda.h, for the driver API smfree loads at run time (nothing links against CUDA)."""
+    """cuda.h, for the driver API smfree loads at run time (nothing links against CUDA).
+
+    From a CUDA toolkit first, else from the nvidia-cuda-runtime wheels (CUDA-enabled torch
+    wheels depend on them): nvidia/cu13/include or nvidia/cuda_runtime/include.
+    """
     from torch.utils.cpp_extension import CUDA_HOME
 
     for home in (os.environ.get("CUDA_HOME"), CUDA_HOME, "/usr/local/cuda"):
         if home and os.path.exists(os.path.join(home, "include", "cuda.h")):
             return os.path.join(home, "include")
-    raise SystemExit("smfree needs the CUDA headers (cuda.h): install the CUDA toolkit or set CUDA_HOME")
+    wheel_headers = pip_cuda_includes()
+    if wheel_headers:
+        return wheel_headers[0]
+    raise SystemExit(CUDA_HEADERS_MISSING)
+
+
+def pip_cuda_includes():
+    """The include folders with cuda.h among the installed nvidia-* wheels, newest CUDA first."""
+    spec = importlib.util.find_spec("nvidia")
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    found = [
+        os.path.dirname(header)
+        for root in spec.submodule_search_locations
+        for header in glob.glob(os.path.join(root, "*", "include", "cuda.h"))
+    ]
+    # nvidia/cu13 before nvidia/cuda_runtime (CUDA 12).
+    return sorted(found, key=lambda path: "cu13" not in path)
 
 
 def sources():
@@ -63,7 +93,16 @@ def load_linkage():
 
 
 class Build(BuildExtension.with_options(use_ninja=True)):
-    """Refuses an extension that would crash when it runs (linkage.py says why)."""
+    """Keeps its objects between builds, and refuses an extension that would crash when it runs
+    (linkage.py says why)."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        # `pip install -e .` builds in a new temporary folder each time, which recompiles every
+        # source. One folder per Python environment under build/ lets ninja recompile only the
+        # sources that changed (it also recompiles those whose flags changed, e.g. UCX_HOME).
+        environment = hashlib.sha1(sys.prefix.encode()).hexdigest()[:12]
+        self.build_temp = os.path.join(ROOT, "build", "objects", environment)
 
     def build_extension(self, ext):
         super().build_extension(ext)

@@ -2,14 +2,17 @@
 
 Ranks are paired (0<->1, 2<->3, ...; with an odd world size the last rank idles). For each
 message size, both ranks of a pair exchange a buffer in each direction per iteration with
-`dist.batch_isend_irecv`, first over the reference backend ("gloo" on CPU, "nccl" on GPU),
-then over smfree. Rank 0 prints one table: time per exchange, GB/s one way (1 GB = 1e9 B),
-and smfree's GB/s as a fraction of the reference's. Times are those of the slowest pair.
+`dist.batch_isend_irecv`. A repetition times a few iterations over the reference backend
+("gloo" on CPU, "nccl" on GPU), then over smfree; the demo runs several repetitions and rank 0
+prints one table of medians over them: time per exchange, GB/s one way (1 GB = 1e9 B), and
+smfree's GB/s as a fraction of the reference's, with the range (min-max) of each. Times are
+those of the slowest pair. On shared or small CPU machines the figures vary from run to run;
+the range shows by how much.
 
 Run it with torchrun, e.g.
 
     torchrun --nproc-per-node=2 examples/p2p_demo.py
-    torchrun --nproc-per-node=2 examples/p2p_demo.py --sizes 4K,1M,64M --iters 10 --json out.json
+    torchrun --nproc-per-node=2 examples/p2p_demo.py --sizes 4K,1M,64M --repeats 9 --json out.json
 """
 
 from __future__ import annotations
@@ -25,10 +28,12 @@ import torch.distributed as dist
 
 DEFAULT_SIZES = "4K,64K,1M,16M,64M"
 UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-# Keeps the default run short on a small CPU box: fewer iterations for bigger messages.
-DEFAULT_BYTES_PER_SIZE = 256 << 20
+# Keeps the default run short on a small CPU box: fewer iterations per repetition for bigger
+# messages.
+DEFAULT_BYTES_PER_REPEAT = 64 << 20
 MAX_DEFAULT_ITERS = 20
-MIN_DEFAULT_ITERS = 4
+MIN_DEFAULT_ITERS = 2
+DEFAULT_REPEATS = 5
 
 
 def parse_size(text: str) -> int:
@@ -60,15 +65,21 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--iters",
         type=int,
-        help=f"timed iterations per size (default: {MAX_DEFAULT_ITERS}, fewer for big sizes)",
+        help=f"timed iterations per repetition (default: {MAX_DEFAULT_ITERS}, fewer for big sizes)",
     )
+    parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
+                        help=f"repetitions per size, of which the medians are printed "
+                             f"(default {DEFAULT_REPEATS})")
     parser.add_argument("--warmup", type=int, default=3, help="untimed iterations per size")
     parser.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON")
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, not {args.repeats}")
+    return args
 
 
 def default_iters(size: int) -> int:
-    return max(MIN_DEFAULT_ITERS, min(MAX_DEFAULT_ITERS, DEFAULT_BYTES_PER_SIZE // size))
+    return max(MIN_DEFAULT_ITERS, min(MAX_DEFAULT_ITERS, DEFAULT_BYTES_PER_REPEAT // size))
 
 
 def peer_of(rank: int, world: int) -> int | None:
@@ -143,20 +154,40 @@ def slowest(seconds: float, failed: bool, device: torch.device) -> tuple[float, 
     return figures[0].item(), bool(figures[1].item())
 
 
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
 def run_benchmark(groups: dict, args, device: torch.device) -> list[dict]:
-    """One row per size: microseconds and GB/s per backend. Exits 1 on wrong data."""
+    """One row per size: per backend, the median microseconds and GB/s over the repetitions and
+    the range of the microseconds; smfree's GB/s over the reference's, per repetition, as median
+    and range. Exits 1 on wrong data."""
     rows = []
+    ref = next(iter(groups))
     for size in args.sizes:
         iters = args.iters or default_iters(size)
-        row = {"bytes": size, "iters": iters}
-        for name, group in groups.items():
-            seconds, error = measure(group, size, iters, args.warmup, device)
-            if error:
-                print(f"p2p_demo: {error}", file=sys.stderr, flush=True)
-            seconds, failed = slowest(seconds, bool(error), device)
-            if failed:
-                fail(f"wrong data over {name} at {format_size(size)} (see the ranks' messages)")
-            row[name] = {"us": seconds * 1e6, "GBps": size / seconds / 1e9}
+        seconds = {name: [] for name in groups}
+        # The backends alternate within a repetition, so that a ratio compares times measured
+        # moments apart, under the same load.
+        for _ in range(args.repeats):
+            for name, group in groups.items():
+                elapsed, error = measure(group, size, iters, args.warmup, device)
+                if error:
+                    print(f"p2p_demo: {error}", file=sys.stderr, flush=True)
+                elapsed, failed = slowest(elapsed, bool(error), device)
+                if failed:
+                    fail(f"wrong data over {name} at {format_size(size)} "
+                         f"(see the ranks' messages)")
+                seconds[name].append(elapsed)
+        row = {"bytes": size, "iters": iters, "repeats": args.repeats}
+        for name, times in seconds.items():
+            middle = median(times)
+            row[name] = {"us": middle * 1e6, "GBps": size / middle / 1e9,
+                         "us_min": min(times) * 1e6, "us_max": max(times) * 1e6}
+        ratios = [r / s for r, s in zip(seconds[ref], seconds["smfree"])]
+        row["ratio"] = {"median": median(ratios), "min": min(ratios), "max": max(ratios)}
         rows.append(row)
     return rows
 
@@ -169,15 +200,20 @@ def fail(message: str) -> None:
 
 
 def print_table(rows: list[dict], ref: str, header: str) -> None:
-    columns = ["size", "smfree µs", "smfree GB/s", f"{ref} µs", f"{ref} GB/s", "ratio"]
+    columns = ["size", "smfree µs (range)", "smfree GB/s", f"{ref} µs (range)", f"{ref} GB/s",
+               "ratio (range)"]
+
+    def spread(figures: dict) -> str:
+        return f"{figures['us']:.1f} ({figures['us_min']:.1f}-{figures['us_max']:.1f})"
+
     lines = [
         [
             format_size(row["bytes"]),
-            f"{row['smfree']['us']:.1f}",
+            spread(row["smfree"]),
             f"{row['smfree']['GBps']:.3f}",
-            f"{row[ref]['us']:.1f}",
+            spread(row[ref]),
             f"{row[ref]['GBps']:.3f}",
-            f"{row['smfree']['GBps'] / row[ref]['GBps']:.2f}",
+            f"{row['ratio']['median']:.2f} ({row['ratio']['min']:.2f}-{row['ratio']['max']:.2f})",
         ]
         for row in rows
     ]
@@ -189,7 +225,11 @@ def print_table(rows: list[dict], ref: str, header: str) -> None:
     print("-+-".join("-" * width for width in widths))
     for line in lines:
         print(" | ".join(cell.rjust(width) for cell, width in zip(line, widths)))
-    print("ratio = smfree GB/s / " + ref + " GB/s; GB/s = bytes one way / time per exchange")
+    repeats = rows[0]["repeats"] if rows else 0
+    print(f"medians of {repeats} repetitions, (min-max) over them; ratio = smfree GB/s / "
+          f"{ref} GB/s; GB/s = bytes one way / time per exchange")
+    print("On shared or small CPU machines these figures vary from run to run (the ranges show "
+          "by how much); compare them within one run, not across runs.")
 
 
 def describe(device: torch.device, world: int) -> str:
@@ -244,6 +284,7 @@ def main() -> None:
     world = dist.get_world_size()
     if world < 2:
         fail("needs at least 2 ranks, e.g. torchrun --nproc-per-node=2")
+
 
     import smfree_pg  # noqa: F401  (registers backend "smfree")
 

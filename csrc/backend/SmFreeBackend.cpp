@@ -3,6 +3,7 @@
 #include <c10/core/Stream.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/ParamCommsUtils.hpp>
 
 #include "backend/StoreAdapter.h"
 #include "backend/TensorChecks.h"
@@ -85,6 +86,13 @@ c10::intrusive_ptr<c10d::Work> SmFreeBackend::pointToPoint(engine::OpKind kind,
     throw;
   }
   c10::intrusive_ptr<SmFreeWork> work = op.work;
+  // The metadata ProcessGroupNCCL records for its send and recv (op, peer, elements, dtype,
+  // group), which torch.profiler puts on the "record_param_comms" range and trace tools read.
+  const at::Tensor& tensor = tensors.front();
+  RECORD_PARAM_COMMS_DATA(p2pSeq_++, std::make_tuple(getGroupUid(), getGroupDesc()), tensors,
+                          tensors, peer, kind == engine::OpKind::kSend ? "send" : "recv",
+                          tensor.numel(), tensor.numel(), tensor.scalar_type(),
+                          std::vector<int64_t>(), std::vector<int64_t>(), 0, 0, getSize());
   if (batch) {
     std::lock_guard<std::mutex> lock(coalescingMutex_);
     TORCH_CHECK(batch_ && batch_->work == batch,

@@ -133,6 +133,7 @@ class SmFreeBackend final : public c10d::Backend {
 
   std::atomic<const char*> stopped_{nullptr};  // "aborted" or "shut down" once stopped
   std::atomic<int> device_{-1};  // the CUDA device this rank uses in the group, once known
+  std::atomic<int> p2pSeq_{0};  // numbers the point-to-point ops in profiler traces
 };
 
 }  // namespace smfree

@@ -1,5 +1,7 @@
 #include "backend/SmFreeWork.h"
 
+#include <ATen/ThreadLocalState.h>
+#include <ATen/record_function.h>
 #include <c10/core/Stream.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
@@ -26,7 +28,27 @@ SmFreeWork::SmFreeWork(c10d::OpType type, WorkLabel label, std::vector<at::Tenso
       label_(std::move(label)),
       tensors_(std::move(tensors)),
       future_(c10::make_intrusive<c10::ivalue::Future>(
-          c10::ListType::create(c10::TensorType::get()))) {}
+          c10::ListType::create(c10::TensorType::get()))) {
+  if (label_.bytes >= 0) {
+    startProfilerRange();
+  }
+}
+
+// As ProcessGroupGloo and ProcessGroupNCCL name their Works ("gloo:send"), an async range from
+// the call to the op's end, so a trace shows the transfer beside the compute it overlaps. Its
+// inputs, which torch.profiler(record_shapes=True) shows, are the tensor, the peer (-1: any
+// source) and the bytes.
+void SmFreeWork::startProfilerRange() {
+  auto range = std::make_shared<at::RecordFunction>(at::RecordScope::USER_SCOPE);
+  if (!range->isActive()) {
+    return;
+  }
+  range->_setAsync();
+  const std::vector<c10::IValue> inputs{tensors_.front(), static_cast<int64_t>(label_.peer),
+                                        label_.bytes};
+  range->before(label_.kind == engine::OpKind::kSend ? "smfree:send" : "smfree:recv", &inputs);
+  recordFunctionEndCallback_ = at::wrapPropagateTLSState([range] { range->end(); });
+}
 
 void SmFreeWork::expectOp(bool cpuWaited) {
   std::lock_guard<std::mutex> lock(stateMutex_);
@@ -83,6 +105,9 @@ void SmFreeWork::completeIfDone(std::unique_lock<std::mutex>& lock) {
   finished_ = true;
   const std::exception_ptr error = error_;
   lock.unlock();
+  if (recordFunctionEndCallback_) {
+    recordFunctionEndCallback_();
+  }
   done_.notify_all();
   // Future callbacks run here, on whichever thread finished the last op.
   if (error) {

@@ -79,6 +79,9 @@ class SmFreeWork final : public c10d::Work {
                              std::chrono::milliseconds timeout);
 
   const WorkLabel label_;
+  // Opens this op's range in a running torch.profiler, closed in completeIfDone.
+  void startProfilerRange();
+
   const std::vector<at::Tensor> tensors_;
   const c10::intrusive_ptr<c10::ivalue::Future> future_;
 
