@@ -25,6 +25,7 @@ SmFreeBackend::SmFreeBackend(const c10::intrusive_ptr<c10d::Store>& store, int r
     : c10d::Backend(rank, size),
       timeout_(timeout),
       groupName_(std::make_shared<const std::string>(groupName)),
+      selfExchange_(groupName),
       innerFactory_(std::move(innerFactory)) {
   try {
     group_ = engine::Engine::acquire()->joinGroup(engine::GroupConfig{groupName, rank, size},
@@ -85,7 +86,8 @@ c10::intrusive_ptr<c10d::Work> SmFreeBackend::pointToPoint(engine::OpKind kind,
     }
     throw;
   }
-  c10::intrusive_ptr<SmFreeWork> work = op.work;
+  c10::intrusive_ptr<c10d::Work> work = op.work;
+  if (op.self) work = op.self->work;
   // The metadata ProcessGroupNCCL records for its send and recv (op, peer, elements, dtype,
   // group), which torch.profiler puts on the "record_param_comms" range and trace tools read.
   const at::Tensor& tensor = tensors.front();
@@ -116,22 +118,23 @@ SmFreeBackend::PreparedOp SmFreeBackend::prepare(engine::OpKind kind,
     bindDevice(tensor, op);
   }
   if (peer != engine::kAnySource) {
-    checkPeer(peer, getRank(), getSize(), op);
+    checkPeer(peer, getSize(), op);
   }
   WorkLabel label{kind, getRank(), peer, tag, static_cast<int64_t>(tensor.nbytes()), groupName_};
   const auto call = [&] { return label.describe(); };
+  const bool toSelf = peer == getRank();
   // Arguments are checked first, so a bad call gets the same error whatever its peer's state.
   try {
     if (peer == engine::kAnySource) {
       group_->connectAll();
-    } else {
+    } else if (!toSelf) {
       group_->connect(peer);
     }
   } catch (const engine::Error& error) {
     C10_THROW_ERROR(DistBackendError,
                     c10::str("smfree: ", call(), " cannot connect: ", engine::reasonOf(error)));
   }
-  if (peer != engine::kAnySource) {
+  if (peer != engine::kAnySource && !toSelf) {
     if (auto failure = group_->peerFailure(peer)) {
       C10_THROW_ERROR(DistBackendError, c10::str("smfree: ", call(), " refused: ", *failure));
     }
@@ -140,6 +143,7 @@ SmFreeBackend::PreparedOp SmFreeBackend::prepare(engine::OpKind kind,
   if (auto failure = group_->failureAfterWait()) {
     C10_THROW_ERROR(DistBackendError, c10::str("smfree: ", call(), " refused: ", *failure));
   }
+  if (toSelf) return prepareSelf(label, tensor, batch);
 
   const bool isSend = kind == engine::OpKind::kSend;
   // CUDA ops fence the caller's stream; the CPU waits for the rest (UCX is not stream-aware).
@@ -176,10 +180,27 @@ SmFreeBackend::PreparedOp SmFreeBackend::prepare(engine::OpKind kind,
     request.onMatched = [work](int source) { work->onMatched(source); };
   }
   if (batch) batch->expectOp(cpuWaited);
-  return PreparedOp{std::move(request), work, cpuWaited};
+  return PreparedOp{std::move(request), work, cpuWaited, nullptr};
+}
+
+SmFreeBackend::PreparedOp SmFreeBackend::prepareSelf(const WorkLabel& label,
+                                                     const at::Tensor& tensor,
+                                                     const c10::intrusive_ptr<SmFreeWork>& batch) {
+  PreparedOp op;
+  op.cpuWaited = !tensor.device().is_cuda();
+  op.self = selfExchange_.prepare(label, tensor, batch);
+  if (batch) {
+    batch->expectOp(op.cpuWaited);
+    batch->addWaitedWork(op.self->work);
+  }
+  return op;
 }
 
 void SmFreeBackend::post(PreparedOp& op, const c10::intrusive_ptr<SmFreeWork>& batch) {
+  if (op.self) {
+    selfExchange_.post(op.self, group_->timeout());
+    return;
+  }
   const int device = op.request.buffer.device;
   std::optional<engine::CudaFence> fence;
   try {
@@ -233,6 +254,10 @@ c10::intrusive_ptr<c10d::Work> SmFreeBackend::endCoalescing() {
           engine::StatusCode::kAborted, c10::str("smfree: not posted: ", error.what()));
       for (size_t j = i; j < batch.ops.size(); ++j) {
         PreparedOp& op = batch.ops[j];
+        if (op.self) {
+          op.self->work->finish(failure);  // reports to the batch too
+          continue;
+        }
         op.work->onOpDone(failure, -1, op.cpuWaited, op.work->label());
         op.work->seal();
         batch.work->onOpDone(failure, -1, op.cpuWaited, op.work->label());
@@ -372,6 +397,7 @@ void SmFreeBackend::stop(const char* state, bool abortInner) {
   if (!stopped_.compare_exchange_strong(expected, state)) {
     return;
   }
+  selfExchange_.close(c10::str("group '", group_->config().name, "' was ", state));
   try {
     group_->close(engine::StatusCode::kAborted,
                   c10::str("group '", group_->config().name, "' was ", state), abortInner);

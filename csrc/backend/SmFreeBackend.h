@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "backend/SelfExchange.h"
 #include "backend/SmFreeWork.h"
 #include "engine/Group.h"
 
@@ -100,6 +101,7 @@ class SmFreeBackend final : public c10d::Backend {
     engine::OpRequest request;
     c10::intrusive_ptr<SmFreeWork> work;
     bool cpuWaited = true;
+    std::shared_ptr<SelfExchange::Op> self;  // instead of the two above, for an op to this rank
   };
   // The ops called between startCoalescing and endCoalescing. Each is checked when it is
   // called, and all are posted at endCoalescing: a batch with a refused op posts none.
@@ -113,6 +115,8 @@ class SmFreeBackend final : public c10d::Backend {
   // Checks the call and connects to the peer; `batch`, if set, will also report the op.
   PreparedOp prepare(engine::OpKind kind, std::vector<at::Tensor>& tensors, int peer, int tag,
                      const c10::intrusive_ptr<SmFreeWork>& batch);
+  PreparedOp prepareSelf(const WorkLabel& label, const at::Tensor& tensor,
+                         const c10::intrusive_ptr<SmFreeWork>& batch);
   void post(PreparedOp& op, const c10::intrusive_ptr<SmFreeWork>& batch);
   void checkOpen(const char* op) const;
   c10d::Backend& inner(c10::DeviceType deviceType);
@@ -123,6 +127,7 @@ class SmFreeBackend final : public c10d::Backend {
   std::shared_ptr<engine::Group> group_;
   std::chrono::milliseconds timeout_;
   std::shared_ptr<const std::string> groupName_;  // shared by the labels of its Works
+  SelfExchange selfExchange_;
 
   std::mutex innerMutex_;
   InnerFactory innerFactory_;

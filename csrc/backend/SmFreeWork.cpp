@@ -64,6 +64,12 @@ void SmFreeWork::addStreamFence(std::shared_ptr<engine::Group> group, int device
   fences_.push_back(StreamFence{std::move(group), device, fence});
 }
 
+void SmFreeWork::addWaitedWork(c10::intrusive_ptr<c10d::Work> work) {
+  std::lock_guard<std::mutex> lock(stateMutex_);
+  TORCH_INTERNAL_ASSERT(!sealed_, "smfree: Work added to a sealed Work");
+  waitedWorks_.push_back(std::move(work));
+}
+
 void SmFreeWork::seal() {
   std::unique_lock<std::mutex> lock(stateMutex_);
   sealed_ = true;
@@ -81,7 +87,7 @@ void SmFreeWork::onOpDone(const engine::Status& status, int source, bool cpuWait
   if (!status.ok() && !error_) {
     error_ = makeOpError(status);
   }
-  if (!status.ok() && waitReturned_) {
+  if (!status.ok() && waitReturned_ && !fences_.empty()) {
     // Only ops with a stream fence let wait() return early, so fences_ names the group. Before
     // the Work completes, so a caller that sees it completed is refused too.
     const bool isSend = op.kind == engine::OpKind::kSend;
@@ -199,6 +205,7 @@ bool SmFreeWork::wait(std::chrono::milliseconds timeout) {
       C10_THROW_ERROR(DistBackendError, error.what());
     }
   }
+  for (const auto& work : waitedWorks_) work->wait(timeout);
   // Under the lock that onOpDone takes: a failure is either raised here or recorded for the
   // next call, never both and never neither.
   std::lock_guard<std::mutex> lock(stateMutex_);

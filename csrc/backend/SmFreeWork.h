@@ -40,6 +40,9 @@ class SmFreeWork final : public c10d::Work {
   // An op with a fence: wait() makes the current stream wait for it rather than the CPU (see
   // wait()).
   void addStreamFence(std::shared_ptr<engine::Group> group, int device, engine::CudaFence fence);
+  // An op that reports here but moves outside the engine (an op to this rank itself): wait()
+  // runs its Work's wait() too, which fences the current stream for it.
+  void addWaitedWork(c10::intrusive_ptr<c10d::Work> work);
   void seal();      // no more ops will be added (an op's own Work: it is posted)
   // `op`: the label of the op's own Work, which names it in errors.
   void onOpDone(const engine::Status& status, int source, bool cpuWaited, const WorkLabel& op);
@@ -99,6 +102,7 @@ class SmFreeWork final : public c10d::Work {
   // Added while posting, under stateMutex_; read without it once sealed_, when it no longer
   // changes.
   std::vector<StreamFence> fences_;
+  std::vector<c10::intrusive_ptr<c10d::Work>> waitedWorks_;  // as fences_
 };
 
 }  // namespace smfree

@@ -20,11 +20,9 @@ at::Tensor& checkP2PTensor(std::vector<at::Tensor>& tensors, const char* op) {
   return tensor;
 }
 
-void checkPeer(int peer, int rank, int size, const char* op) {
+void checkPeer(int peer, int size, const char* op) {
   TORCH_CHECK_VALUE(peer >= 0 && peer < size, "smfree: ", op, " with invalid peer rank ", peer,
                     " (group of size ", size, ")");
-  TORCH_CHECK_VALUE(peer != rank, "smfree: ", op, " to or from itself (rank ", rank,
-                    ") is not supported");
 }
 
 namespace {

@@ -10,8 +10,8 @@ namespace smfree {
 
 // Validates the one tensor of a point-to-point op; throws ValueError naming the problem.
 at::Tensor& checkP2PTensor(std::vector<at::Tensor>& tensors, const char* op);
-// Throws ValueError unless `peer` is another rank of a group of `size`.
-void checkPeer(int peer, int rank, int size, const char* op);
+// Throws ValueError unless `peer` is a rank of a group of `size` (this rank itself included).
+void checkPeer(int peer, int size, const char* op);
 engine::TensorDesc describeTensor(const at::Tensor& tensor);
 
 }  // namespace smfree

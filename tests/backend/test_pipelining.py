@@ -11,7 +11,8 @@ import torch.distributed as dist
 
 from harness import run_ranks
 
-EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EXAMPLES = os.path.join(ROOT, "examples")
 sys.path.insert(0, EXAMPLES)  # spawned ranks inherit the path
 import pipelining  # noqa: E402
 

@@ -1,0 +1,280 @@
+#include "backend/SelfExchange.h"
+
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/util/Exception.h>
+
+#include <cstring>
+
+#include "backend/TensorChecks.h"
+
+namespace smfree {
+namespace {
+
+using engine::Status;
+using engine::StatusCode;
+
+// How often the watcher asks whether the GPU has run a copy while one is in flight: the Work
+// finishes (is_completed, its future) that much after the copy, while wait() returns as soon
+// as the copy is submitted.
+constexpr std::chrono::microseconds kCopyPoll{50};
+
+int64_t millisBetween(SelfExchange::Clock::time_point from, SelfExchange::Clock::time_point to) {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(to - from).count();
+}
+
+void finishBoth(const SelfExchange::Op& send, const SelfExchange::Op& recv, const Status& status) {
+  send.work->finish(status);
+  recv.work->finish(status);
+}
+
+// As the engine names its ops: "recv on rank 0 from rank 0 (group 'pp', tag 0, float32[4] (16 B))".
+std::string describe(const SelfExchange::Op& op) {
+  const WorkLabel& label = op.work->label();
+  const bool isSend = label.kind == engine::OpKind::kSend;
+  return c10::str(isSend ? "send on rank " : "recv on rank ", label.rank,
+                  isSend ? " to rank " : " from rank ", label.peer, " (group '", *label.group,
+                  "', tag ", label.tag, ", ", op.desc.describe(), ")");
+}
+
+Status copyFailure(const SelfExchange::Op& send, const std::string& why) {
+  return Status::failure(StatusCode::kTransport, c10::str(describe(send), ": the copy failed: ", why));
+}
+
+}  // namespace
+
+SelfExchange::SelfExchange(std::string groupName) : groupName_(std::move(groupName)) {}
+
+SelfExchange::~SelfExchange() {
+  close(c10::str("group '", groupName_, "' was destroyed"));
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+  }
+  wake_.notify_all();
+  if (watcher_.joinable()) watcher_.join();
+  // Copies already submitted run to their end: their Works finish as copied.
+  for (const InFlight& copy : inFlight_) {
+    try {
+      copy.copied->synchronize();
+      finishBoth(*copy.send, *copy.recv, Status::success());
+    } catch (const std::exception& error) {
+      finishBoth(*copy.send, *copy.recv, copyFailure(*copy.send, error.what()));
+    }
+  }
+}
+
+std::shared_ptr<SelfExchange::Op> SelfExchange::prepare(
+    const WorkLabel& label, const at::Tensor& tensor,
+    const c10::intrusive_ptr<SmFreeWork>& batch) const {
+  auto op = std::make_shared<Op>();
+  const int device = tensor.device().is_cuda() ? tensor.device().index() : -1;
+  op->work = c10::make_intrusive<SelfWork>(label, tensor, device, batch);
+  op->storage = tensor.storage();
+  op->data = tensor.data_ptr();
+  op->desc = describeTensor(tensor);
+  return op;
+}
+
+void SelfExchange::post(const std::shared_ptr<Op>& op, std::chrono::milliseconds timeout) {
+  std::shared_ptr<Op> earlier;
+  try {
+    earlier = matchOrQueue(op, timeout);
+  } catch (const std::exception& error) {
+    // The group is closed, or CUDA refused the event: nothing was queued.
+    op->work->finish(Status::failure(
+        StatusCode::kAborted, c10::str(describe(*op), " failed: ", error.what())));
+    return;
+  }
+  if (!earlier) return;
+  const bool isSend = op->work->label().kind == engine::OpKind::kSend;
+  exchange(isSend ? op : earlier, isSend ? earlier : op, earlier);
+}
+
+std::shared_ptr<SelfExchange::Op> SelfExchange::matchOrQueue(const std::shared_ptr<Op>& op,
+                                                              std::chrono::milliseconds timeout) {
+  const WorkLabel& label = op->work->label();
+  const bool isSend = label.kind == engine::OpKind::kSend;
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (closed_) throw std::runtime_error(*closed_);
+  Queue& opposite = isSend ? recvs_ : sends_;
+  if (auto it = opposite.find(label.tag); it != opposite.end()) {
+    std::shared_ptr<Op> earlier = std::move(it->second.front());
+    it->second.pop_front();
+    if (it->second.empty()) opposite.erase(it);
+    return earlier;
+  }
+  if (op->work->onCuda()) {
+    // The stream as it is now: the copy, queued by the later op, waits for this much of it.
+    const c10::Device device(c10::DeviceType::CUDA,
+                             static_cast<c10::DeviceIndex>(op->storage.device().index()));
+    op->posted.emplace(c10::DeviceType::CUDA);
+    op->posted->record(c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(device));
+  }
+  op->queuedAt = Clock::now();
+  op->deadline = op->queuedAt + timeout;
+  (isSend ? sends_ : recvs_)[label.tag].push_back(op);
+  startWatcher();
+  wake_.notify_all();
+  return nullptr;
+}
+
+void SelfExchange::exchange(const std::shared_ptr<Op>& send, const std::shared_ptr<Op>& recv,
+                            const std::shared_ptr<Op>& earlier) {
+  if (!send->desc.compatibleWith(recv->desc)) {
+    finishBoth(*send, *recv, Status::failure(StatusCode::kMismatch, mismatch(*send, *recv)));
+    return;
+  }
+  try {
+    if (send->desc.bytes != 0 && send->work->onCuda()) {
+      copyOnGpu(send, recv, earlier);
+      return;  // the watcher finishes both once the GPU has run the copy
+    }
+    if (send->desc.bytes != 0) std::memmove(recv->data, send->data, send->desc.bytes);
+  } catch (const std::exception& error) {
+    finishBoth(*send, *recv, copyFailure(*send, error.what()));
+    return;
+  }
+  finishBoth(*send, *recv, Status::success());
+}
+
+void SelfExchange::copyOnGpu(const std::shared_ptr<Op>& send, const std::shared_ptr<Op>& recv,
+                             const std::shared_ptr<Op>& earlier) {
+  const c10::Device device = send->storage.device();
+  // The later op's current stream, after the earlier op's stream as it was at its post.
+  const c10::Stream stream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(device);
+  earlier->posted->block(stream);
+  // Raw bytes, like any other peer's transfer. A copy between contiguous tensors of one dtype
+  // on one device is a single device-to-device cudaMemcpyAsync on the current stream, no
+  // kernel (ATen's copy_device_to_device).
+  const auto bytes = at::TensorOptions().dtype(at::kByte).device(device);
+  const auto count = static_cast<int64_t>(send->desc.bytes);
+  at::from_blob(recv->data, {count}, bytes).copy_(at::from_blob(send->data, {count}, bytes));
+  auto copied = std::make_shared<c10::Event>(c10::DeviceType::CUDA);
+  copied->record(stream);
+  send->work->onQueued(copied);
+  recv->work->onQueued(copied);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    inFlight_.push_back(InFlight{std::move(copied), send, recv, std::nullopt});
+    startWatcher();
+  }
+  wake_.notify_all();
+}
+
+std::string SelfExchange::mismatch(const Op& send, const Op& recv) const {
+  // The engine's wording for other peers.
+  const char* what = send.desc.device != recv.desc.device ? "device" : "size or dtype";
+  const int rank = send.work->label().rank;
+  return c10::str(what, " mismatch in group '", groupName_, "', tag ", send.work->label().tag,
+                  ": rank ", rank, " sends ", send.desc.describe(), " to rank ", rank,
+                  ", which receives into ", recv.desc.describe());
+}
+
+void SelfExchange::close(const std::string& reason) {
+  std::vector<std::shared_ptr<Op>> dropped;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (closed_) return;
+    closed_ = reason;
+    for (Queue* queue : {&sends_, &recvs_}) {
+      for (auto& [tag, ops] : *queue) dropped.insert(dropped.end(), ops.begin(), ops.end());
+      queue->clear();
+    }
+  }
+  for (const auto& op : dropped) {
+    op->work->finish(Status::failure(
+        StatusCode::kAborted, c10::str(describe(*op), " failed: ", reason)));
+  }
+}
+
+void SelfExchange::startWatcher() {
+  if (!watcher_.joinable()) watcher_ = std::thread([this] { watch(); });
+}
+
+void SelfExchange::watch() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (!stopping_) {
+    const Clock::time_point now = Clock::now();
+    std::vector<std::shared_ptr<Op>> expired = takeExpired(now);
+    std::vector<InFlight> copied = takeCopied();
+    if (expired.empty() && copied.empty()) {
+      if (auto until = nextWake(now)) {
+        wake_.wait_until(lock, *until);
+      } else {
+        wake_.wait(lock);
+      }
+      continue;
+    }
+    lock.unlock();
+    for (const auto& op : expired) expire(*op, now);
+    for (const InFlight& copy : copied) finishCopied(copy);
+    lock.lock();
+  }
+}
+
+std::optional<SelfExchange::Clock::time_point> SelfExchange::nextWake(Clock::time_point now) const {
+  if (!inFlight_.empty()) return now + kCopyPoll;
+  std::optional<Clock::time_point> next;
+  for (const Queue* queue : {&sends_, &recvs_}) {
+    for (const auto& [tag, ops] : *queue) {
+      // In posting order: the front expires first (a later setTimeout aside, which the ops
+      // behind it then wait for).
+      if (!next || ops.front()->deadline < *next) next = ops.front()->deadline;
+    }
+  }
+  return next;
+}
+
+std::vector<std::shared_ptr<SelfExchange::Op>> SelfExchange::takeExpired(Clock::time_point now) {
+  std::vector<std::shared_ptr<Op>> expired;
+  for (Queue* queue : {&sends_, &recvs_}) {
+    for (auto it = queue->begin(); it != queue->end();) {
+      auto& ops = it->second;
+      while (!ops.empty() && ops.front()->deadline <= now) {
+        expired.push_back(std::move(ops.front()));
+        ops.pop_front();
+      }
+      it = ops.empty() ? queue->erase(it) : std::next(it);
+    }
+  }
+  return expired;
+}
+
+std::vector<SelfExchange::InFlight> SelfExchange::takeCopied() {
+  std::vector<InFlight> copied;
+  for (auto it = inFlight_.begin(); it != inFlight_.end();) {
+    bool done = true;
+    try {
+      done = it->copied->query();
+    } catch (const std::exception& error) {
+      it->failure = error.what();  // the device failed: the copy will not run
+    }
+    if (done) {
+      copied.push_back(std::move(*it));
+      it = inFlight_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  return copied;
+}
+
+void SelfExchange::finishCopied(const InFlight& copy) {
+  if (!copy.failure) {
+    finishBoth(*copy.send, *copy.recv, Status::success());
+    return;
+  }
+  finishBoth(*copy.send, *copy.recv, copyFailure(*copy.send, *copy.failure));
+}
+
+void SelfExchange::expire(const Op& op, Clock::time_point now) {
+  const WorkLabel& label = op.work->label();
+  const bool isSend = label.kind == engine::OpKind::kSend;
+  op.work->finish(Status::failure(
+      StatusCode::kTimeout,
+      c10::str(describe(op), isSend ? " was not matched by a recv" : " was not matched by a send",
+               " within the group timeout of ", millisBetween(op.queuedAt, op.deadline),
+               " ms (posted ", millisBetween(op.queuedAt, now), " ms ago)")));
+}
+
+}  // namespace smfree
