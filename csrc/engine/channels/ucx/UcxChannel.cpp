@@ -137,10 +137,6 @@ void UcxChannel::connect(Peer& peer, const PeerError& onError) {
       [onError](ucs_status_t status) { onError(ucxPeerErrorText(status)); });
 }
 
-void UcxChannel::flush() {
-  for (auto& [peer, endpoint] : endpoints_) endpoint->flush();
-}
-
 void UcxChannel::disconnect(Peer& peer) {
   auto it = endpoints_.find(&peer);
   if (it == endpoints_.end()) return;

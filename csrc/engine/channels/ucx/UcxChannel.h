@@ -69,7 +69,9 @@ class UcxChannel final : public Channel {
   void connect(Peer& peer, const PeerError& onError) override;
   PeerRoute route(Peer& peer) override;
   void disconnect(Peer& peer) override;
-  void flush() override;
+  void flush() override {
+    for (auto& [peer, endpoint] : endpoints_) endpoint->flush();
+  }
   bool callsCudaOnProgressThread(const Op& op) const override;
   void progressThreadCallsCuda(const Op& op) override;
   bool committed() const override { return commitments_ > 0; }
