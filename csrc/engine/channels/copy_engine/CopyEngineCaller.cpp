@@ -11,8 +11,8 @@ namespace smfree::engine {
 CudaFence CopyEngineChannel::prepare(Op& op, const PostOptions& options) {
   cudaOps_.admit(options.timeout);
   auto state = std::make_unique<CopyEngineOp>();
-  state->queued = flags_.acquire();
   try {
+    state->queued = flags_.acquire();
     if (op.isSend()) {
       const int device = op.request.buffer.device;
       state->produced = cuda::takeEvent(device);
@@ -24,8 +24,8 @@ CudaFence CopyEngineChannel::prepare(Op& op, const PostOptions& options) {
       cudaOps_.writeFromStream(op, state->ready);
     }
   } catch (...) {
-    flags_.release(state->queued);
     // A value of 0 is never handed out: those words were not acquired.
+    if (state->queued.value != 0) flags_.release(state->queued);
     if (state->done.value != 0) flags_.release(state->done);
     if (state->ready.value != 0) flags_.release(state->ready);
     cudaOps_.retire();

@@ -19,9 +19,9 @@ CudaFence UcxChannel::prepare(Op& op, const PostOptions& options) {
                       op.request.buffer.bytes > 0;
   cudaOps_.admit(options.timeout);
   auto state = std::make_unique<UcxCudaOp>();
-  state->streamReady = flags_.acquire();
   std::optional<cuda::Flag> queued;
   try {
+    state->streamReady = flags_.acquire();
     cudaOps_.writeFromStream(op, state->streamReady);
     const int device = op.request.buffer.device;
     state->reached = cuda::takeEvent(device);
@@ -31,7 +31,8 @@ CudaFence UcxChannel::prepare(Op& op, const PostOptions& options) {
     state->queued = *queued;
     if (staged) state->staging = stageFromCaller(op, *state);
   } catch (...) {
-    flags_.release(state->streamReady);
+    // A value of 0 is never handed out: that word was not acquired.
+    if (state->streamReady.value != 0) flags_.release(state->streamReady);
     if (queued) flags_.release(*queued);
     cudaOps_.retire();
     throw;
