@@ -108,6 +108,12 @@ class Job:
                                      f"(at {self.progress(rank)})")
             time.sleep(0.02)
 
+    def wait_all_progress(self, count: int, timeout: float = 60) -> None:
+        """Every rank has reported `count`: all have joined and reached their peers, so a fault
+        injected now meets every pair mid-stream."""
+        for rank in self.procs:
+            self.wait_progress(rank, count, timeout)
+
     def kill_host(self, host: int) -> float:
         """SIGKILLs every rank of `host`; returns when (time.time())."""
         when = time.time()

@@ -69,7 +69,7 @@ def test_link_down_for_3_s_then_up_loses_nothing():
     with Hosts(2) as hosts:
         job = hosts.launch(_stream, RANKS_PER_HOST, 150, 1 << 16, 0.03,
                            group_timeout_s=GROUP_TIMEOUT_S)
-        job.wait_progress(0, 20)
+        job.wait_all_progress(20)
         injected = hosts.link_down(1)
         time.sleep(3)
         hosts.link_up(1)
@@ -96,7 +96,7 @@ def _cut_then_same_host(rank, world):
 def test_link_cut_is_reported_naming_the_peer_host_and_ops_with_others_go_on():
     with Hosts(2) as hosts:
         job = hosts.launch(_cut_then_same_host, RANKS_PER_HOST, group_timeout_s=GROUP_TIMEOUT_S)
-        job.wait_progress(0, 20)
+        job.wait_all_progress(20)
         injected = hosts.link_down(1)
         values = job.values(JOB_TIMEOUT_S)
         record("link cut for good", [v["cross"] for v in values], injected)
@@ -130,7 +130,7 @@ def test_killed_host_fails_its_peers_ops_naming_it_and_ops_with_others_go_on():
     with Hosts(2) as hosts:
         job = hosts.launch(_killed_then_same_host, RANKS_PER_HOST,
                            group_timeout_s=GROUP_TIMEOUT_S)
-        job.wait_progress(0, 20)
+        job.wait_all_progress(20)
         injected = job.kill_host(1)
         results = job.results(JOB_TIMEOUT_S)
         assert hosts.leftover_processes() == []
@@ -233,7 +233,8 @@ def _store_host_dies(rank, world):
 def test_store_host_dying_leaves_the_other_hosts_exchanging():
     with Hosts(3) as hosts:
         job = hosts.launch(_store_host_dies, RANKS_PER_HOST, group_timeout_s=GROUP_TIMEOUT_S)
-        job.wait_progress(2, 20)
+        # Every rank has joined and reached its peer: only then may the store go.
+        job.wait_all_progress(20)
         injected = job.kill_host(0)
         mark(job, "killed")
         results = job.results(JOB_TIMEOUT_S)

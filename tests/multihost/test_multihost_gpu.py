@@ -96,7 +96,7 @@ def test_cuda_link_cut_is_reported_naming_the_peer_host():
         job = hosts.launch(_cuda_until_cut, 1, group_timeout_s=15,
                            host_env={0: {"CUDA_VISIBLE_DEVICES": "0"},
                                      1: {"CUDA_VISIBLE_DEVICES": "1"}})
-        job.wait_progress(0, 20)
+        job.wait_all_progress(20)
         hosts.link_down(1)
         values = job.values(JOB_TIMEOUT_S)
         assert hosts.leftover_processes() == []
