@@ -26,6 +26,7 @@ struct PeerRoute {
 struct PostOptions {
   std::chrono::milliseconds timeout;  // the group's: how long admission may block
   PeerRoute route;                    // toward the op's peer; default for any-source recvs
+  std::string peerKey;                // the peer's process key; empty for any-source recvs
 };
 
 // A data channel moves the bytes of a matched send/recv pair; the control plane has already
@@ -82,11 +83,19 @@ class Channel {
   // (ReadyToSend::promised).
   virtual bool promiseSend(Op& send) { return false; }
 
+  // Sender, as the send is announced: what the receiver's channel is to learn with it
+  // (ReadyToSend::channelData), such as where the bytes already are.
+  virtual std::string announce(const Op& send) { return {}; }
   // Sender, when the send is posted (before its receiver has matched it): start what needs
   // no receiver.
   virtual void prepareSend(const std::shared_ptr<Op>& send, Peer& destination) {}
-  // Receiver: get ready for the bytes; returns what the sender's side needs to deliver them.
-  virtual std::string armRecv(const std::shared_ptr<Op>& recv, Peer& source) = 0;
+  // Receiver: get ready for the bytes, given what the sender's announce() said; returns what
+  // the sender's side needs to deliver them.
+  virtual std::string armRecv(const std::shared_ptr<Op>& recv, Peer& source,
+                              const std::string& announced) = 0;
+  // Receiver: an announcement with channel data that no recv will arm (refused, or its group
+  // closed): gives back what the data holds.
+  virtual void discard(Peer& source, const std::string& announced) {}
   // Receiver, once the clear-to-send has left; `sendPromised` as the announcement said.
   virtual void cleared(const std::shared_ptr<Op>& recv, bool sendPromised) {}
   // Sender: deliver the bytes, given what armRecv returned on the receiver.

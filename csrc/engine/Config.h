@@ -38,6 +38,9 @@ struct Config {
   // Largest send that may be staged in the receiver's memory (SMFREE_STAGING_BYTES): the
   // size of each slot of a staging ring; 0 turns staging off.
   uint64_t stagingBytes;
+  // Largest CUDA send on the copy engines that goes eagerly, into a slot of its receiver's
+  // memory at its post (SMFREE_EAGER_BYTES); 0 turns eager sends off.
+  uint64_t eagerBytes;
   // Size of the pieces in which CUDA tensors cross pinned host memory toward peers UCX reaches
   // over TCP only (SMFREE_HOST_STAGING_PIECE_BYTES); 0 moves each tensor in one piece.
   uint64_t hostStagingPieceBytes;

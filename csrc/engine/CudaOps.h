@@ -12,11 +12,12 @@ namespace smfree::engine {
 
 struct Op;
 
-// Flag words per op, and words kept back for staging rings (two per ring, one ring per
-// sending process and device): the flag segment holds
+// Flag words per op, and words kept back for the copy engines' rings (a word per slot: 2 per
+// staging ring, 8 per eager ring, one ring of each per sending process and device, so about
+// 100 such senders): the flag segment holds
 // (FlagSegment::kWords - kStagingFlagWords) / kFlagsPerCudaOp ops.
 constexpr size_t kFlagsPerCudaOp = 4;  // a staged recv: ready, queued, progress, copiedIn
-constexpr size_t kStagingFlagWords = 256;
+constexpr size_t kStagingFlagWords = 1024;
 
 // What the channels' CUDA ops share: this process's flag segment, the bound on CUDA ops in
 // flight (SMFREE_MAX_CUDA_OPS), and the words that wait for their stream's write before

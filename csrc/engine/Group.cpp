@@ -103,8 +103,12 @@ std::optional<CudaFence> Group::post(OpRequest request) {
   if (op->request.buffer.memory == MemoryKind::kCuda) {
     const int peer = op->request.peer;
     op->channel = cudaChannel(peer);
-    PostOptions options{timeout(), {}};
-    if (peer != kAnySource) options.route.stagedThroughHost = stagesCuda_[peer];
+    PostOptions options{timeout(), {}, {}};
+    if (peer != kAnySource) {
+      options.route.stagedThroughHost = stagesCuda_[peer];
+      std::lock_guard<std::mutex> lock(keysMutex_);
+      options.peerKey = processKeys_[peer];
+    }
     fence = engine_->channel(op->channel).prepare(*op, options);
   }
   op->posted = Clock::now();

@@ -108,6 +108,8 @@ void Rendezvous::closeGroup(uint64_t groupId, StatusCode code, const std::string
     failOp(op, code, concat(op->describe(), " failed: ", reason));
     if (moving) channels_.of(*op).cancel(*op);
   }
+  group->matcher.forEachWaiting(
+      [&](const Announcement& announcement) { discardAnnounced(*group, announcement.rts); });
   group->matcher.clear();
   std::deque<std::shared_ptr<Op>> held;
   for (auto& op : heldOps_) {
@@ -214,7 +216,8 @@ void Rendezvous::startOp(const std::shared_ptr<Op>& op) {
     // Announced first: preparing may take a while (pinned memory allocated), and the receiver
     // can match meanwhile.
     peers_.send(peer, ReadyToSend{op->groupId, group->config->rank, op->request.tag, op->seq,
-                                  op->id, op->request.desc, op->channel, promised});
+                                  op->id, op->request.desc, op->channel, promised,
+                                  channels_.of(*op).announce(*op)});
     try {
       channels_.of(*op).prepareSend(op, peer);
     } catch (const Error& error) {
@@ -237,6 +240,7 @@ void Rendezvous::onReadyToSend(const ReadyToSend& message) {
   }
   if (group->closed) {
     log(LogLevel::kDebug, "dropped a send announced to closed group '", group->config->name, "'");
+    discardAnnounced(*group, message);
     return;
   }
   for (Matcher::Match& match : group->matcher.announce(message)) {
@@ -289,6 +293,7 @@ void Rendezvous::onMatched(GroupState& group, Matcher::Match& match) {
   }
   if (recv->finished()) {
     // The recv timed out earlier but kept its place in line: refuse the send it was meant for.
+    discardAnnounced(group, rts);
     peers_.send(*sender, Refusal{group.id, group.config->rank, rts.sendId, StatusCode::kTimeout,
                                  concat("the matching ", recv->describe(),
                                         " had already timed out")});
@@ -297,6 +302,7 @@ void Rendezvous::onMatched(GroupState& group, Matcher::Match& match) {
   recv->source = rts.source;
   if (recv->request.onMatched) recv->request.onMatched(rts.source);
   if (const auto refusal = refusalOfMatch(group, match, *sender)) {
+    discardAnnounced(group, rts);
     transition(recv, OpState::kEnded, refusal->status);
     if (refusal->tellSender) {
       peers_.send(*sender, Refusal{group.id, group.config->rank, rts.sendId, refusal->status.code,
@@ -312,8 +318,9 @@ void Rendezvous::onMatched(GroupState& group, Matcher::Match& match) {
   }
   transition(recv, OpState::kMoving);
   try {
-    clear.channelData = channels_.of(*recv).armRecv(recv, *sender);
+    clear.channelData = channels_.of(*recv).armRecv(recv, *sender, rts.channelData);
   } catch (const Error& error) {
+    discardAnnounced(group, rts);
     failOp(recv, StatusCode::kTransport, error.what());
     peers_.send(*sender, Refusal{group.id, group.config->rank, rts.sendId,
                                  StatusCode::kTransport, error.what()});
@@ -477,6 +484,15 @@ bool Rendezvous::transition(const std::shared_ptr<Op>& op, OpState next, const S
     live_.erase(op->id);
   }
   return true;
+}
+
+void Rendezvous::discardAnnounced(GroupState& group, const ReadyToSend& rts) {
+  if (rts.channelData.empty()) return;
+  Peer* sender = rts.source >= 0 && rts.source < static_cast<int>(group.peers.size())
+                     ? group.peers[rts.source]
+                     : nullptr;
+  // A failed sender's channel state is gone with it.
+  if (sender && !sender->failed) channels_.of(rts.channel).discard(*sender, rts.channelData);
 }
 
 GroupState* Rendezvous::findGroup(uint64_t groupId) {

@@ -83,6 +83,8 @@ class Rendezvous {
   std::optional<MatchRefusal> refusalOfMatch(const GroupState& group, const Matcher::Match& match,
                                              const Peer& sender);
   void onMatched(GroupState& group, Matcher::Match& match);
+  // An announcement no recv will arm: its channel gives back what the announcement holds.
+  void discardAnnounced(GroupState& group, const ReadyToSend& rts);
   void expire(const std::shared_ptr<Op>& op, Clock::time_point now);
   std::shared_ptr<Op> findLive(uint64_t opId);
   Peer* partnerOf(const Op& op);

@@ -32,11 +32,15 @@ struct ReadyToSend {
   // its bytes without any CUDA call on a thread that could stall: its receiver may queue its
   // copies in to wait for them on the GPU.
   bool promised = false;
+  // What the sender's channel tells the receiver's with the announcement (Channel::announce):
+  // the copy engines' eager slot that already holds the bytes; empty for most sends.
+  std::string channelData;
 
   static constexpr const char* kName = "ready-to-send";
   template <class Self, class Visitor>  // Self: this message, const or not
   static void fields(Self& m, Visitor&& visit) {
-    visit(m.group, m.source, m.tag, m.seq, m.sendId, m.desc, m.channel, m.promised);
+    visit(m.group, m.source, m.tag, m.seq, m.sendId, m.desc, m.channel, m.promised,
+          m.channelData);
   }
 };
 

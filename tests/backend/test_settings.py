@@ -57,4 +57,4 @@ def test_a_size_that_is_not_a_count_of_bytes_is_refused_by_name(name, value):
 @pytest.mark.parametrize("value", ["0", "4033"])
 def test_cuda_ops_in_flight_outside_their_range_are_refused(value):
     result = refused(SMFREE_MAX_CUDA_OPS=value)
-    assert "SMFREE_MAX_CUDA_OPS must be between 1 and 4032" in result.stderr, result.stderr
+    assert "SMFREE_MAX_CUDA_OPS must be between 1 and 3840" in result.stderr, result.stderr

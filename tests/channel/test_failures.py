@@ -11,6 +11,9 @@ import torch.distributed as dist
 import smfree_pg
 from harness import rank_device, run_ranks, synchronize
 
+# Sends that wait for their receiver on every channel (no eager sends on the copy engines).
+RENDEZVOUS = {"SMFREE_EAGER_BYTES": "0"}
+
 
 def _mismatch(rank, world, send_shape, send_dtype, recv_shape, recv_dtype):
     dev = rank_device(rank)
@@ -46,7 +49,9 @@ def _mismatch(rank, world, send_shape, send_dtype, recv_shape, recv_dtype):
     ids=["size", "dtype"],
 )
 def test_mismatch_fails_on_both_ranks_naming_both_sides(channel, send, recv, names):
-    results = channel.run(_mismatch, 2, send[0], send[1], recv[0], recv[1])
+    # Rendezvous sends: their wait() sees the receiver's refusal. (An eager send's wait()
+    # returns first; tests/cuda/test_eager.py shows where its refusal goes.)
+    results = channel.run(_mismatch, 2, send[0], send[1], recv[0], recv[1], env=RENDEZVOUS)
     where = " on cuda" if channel.cuda else ""
     for errors in results:
         assert len(errors) == 2
@@ -109,7 +114,7 @@ def _late_partner(rank, world):
 
 
 def test_late_partner_of_a_timed_out_send_gets_an_error_and_order_holds(channel):
-    error, value = channel.run(_late_partner, 2, group_timeout_s=1.5)[1]
+    error, value = channel.run(_late_partner, 2, group_timeout_s=1.5, env=RENDEZVOUS)[1]
     # The sender's cancellation or its refusal of the clear-to-send may come first (they race
     # the barrier): either way the recv names itself and says why.
     assert "recv on rank 1 from rank 0" in error and "the matching send gave up" in error

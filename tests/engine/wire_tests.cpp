@@ -25,6 +25,7 @@ ReadyToSend sampleReady() {
   ready.desc = TensorDesc{64, "bfloat16", "cuda", {4, 8}};
   ready.channel = ChannelKind::kCopyEngine;
   ready.promised = true;
+  ready.channelData = std::string("\5\6", 2);
   return ready;
 }
 
@@ -39,7 +40,8 @@ std::vector<Sample> samples() {
   return {
       {sampleReady(),
        "01887766554433221105000000feffffff6300000000000000d2040000000000004000000000000000080000"
-       "0062666c6f61743136040000006375646102000000040000000000000008000000000000000101"},
+       "0062666c6f61743136040000006375646102000000040000000000000008000000000000000101"
+       "020000000506"},
       {ClearToSend{7, 1, 55, 66, std::string("\0\1\2", 3)},
        "020700000000000000010000003700000000000000420000000000000003000000000102"},
       {Refusal{7, 1, 55, StatusCode::kTimeout, "sizes differ"},
@@ -91,6 +93,7 @@ TEST(wireRoundTripsEveryMessage, "wire: every message round-trips, field by fiel
   CHECK(ready.desc.bytes == 64 && ready.desc.dtype == "bfloat16" && ready.desc.device == "cuda");
   CHECK((ready.desc.shape == std::vector<int64_t>{4, 8}));
   CHECK(ready.channel == ChannelKind::kCopyEngine && ready.promised);
+  CHECK(ready.channelData == std::string("\5\6", 2));
   ReadyToSend unpromised = sampleReady();
   unpromised.promised = false;
   unpromised.channel = ChannelKind::kUcx;
@@ -156,7 +159,9 @@ TEST(wireRejectsAnUnknownType, "wire: an unknown message type is refused") {
 
 TEST(wireRejectsAnUnknownChannel, "wire: an unknown data channel is refused") {
   auto bytes = encode(sampleReady());
-  bytes[bytes.size() - 2] = 7;  // the channel: the byte before a ready-to-send's promise
+  // The channel: the byte before a ready-to-send's promise, which its 2-byte channel data
+  // (after a 4-byte length) follows.
+  bytes[bytes.size() - 8] = 7;
   CHECK(testing::throwsError([&] { decode(bytes.data(), bytes.size()); },
                     "unknown data channel 7 in a ready-to-send"));
 }

@@ -1,8 +1,9 @@
-// The copy engines' work on the caller's thread: what an op enqueues on the caller's stream at
-// its post, and the fence its wait() puts there; and what the progress thread gives back once
-// the op has ended.
+// The copy engines' work on the caller's thread: what an op enqueues at its post (on the
+// caller's stream; an eager send's copy on a stream of its own), and the fence its wait() puts
+// on the caller's stream; and what the progress thread gives back once the op has ended.
 #include "engine/channels/copy_engine/CopyEngineChannel.h"
 
+#include "engine/Log.h"
 #include "engine/cuda/CudaDriver.h"
 #include "engine/cuda/StreamMemoryOps.h"
 
@@ -18,6 +19,10 @@ CudaFence CopyEngineChannel::prepare(Op& op, const PostOptions& options) {
       state->produced = cuda::takeEvent(device);
       state->copied = cuda::takeEvent(device);
       state->produced->record(static_cast<CUstream>(op.request.stream));
+      const uint64_t bytes = op.request.buffer.bytes;
+      if (bytes != 0 && bytes <= eagerBytes_ && !options.peerKey.empty()) {
+        pushEagerly(op, *state, options.peerKey);
+      }
     } else {
       state->done = flags_.acquire(kDoneSpan);
       state->ready = flags_.acquire();
@@ -35,6 +40,45 @@ CudaFence CopyEngineChannel::prepare(Op& op, const PostOptions& options) {
                         nullptr};
   op.channelState = std::move(state);
   return fence;
+}
+
+void CopyEngineChannel::pushEagerly(Op& send, CopyEngineOp& state, const std::string& peerKey) {
+  std::lock_guard<std::mutex> lock(eagerMutex_);
+  const auto known = eagerRemotes_.find(peerKey);
+  if (known == eagerRemotes_.end()) return;  // its first clear-to-send has not come yet
+  RemoteStagingRing& ring = *known->second.ring;
+  cuda::RemoteFlagSegment& words = *known->second.words;
+  const uint64_t bytes = send.request.buffer.bytes;
+  if (bytes > ring.slotBytes()) return;
+  const std::optional<StagedSlot> slot = ring.nextFree(words);
+  if (!slot) return;  // the receiver has not copied the slot out yet: a rendezvous
+  const int device = send.request.buffer.device;
+  cuda::ContextGuard context(device);
+  const CUstream stream = eagerStream(device, ring.device());
+  // `produced` was just recorded; the slot is empty. No wait for anything of the receiver's.
+  state.produced->waitOn(stream);
+  cuda::check(cuda::driver().cuMemcpyAsync(ring.slotAddress(*slot, device),
+                                           reinterpret_cast<CUdeviceptr>(send.request.buffer.data),
+                                           bytes, stream),
+              "cuMemcpyAsync (to an eager slot)");
+  state.copied->record(stream);
+  const cuda::Flag full = ring.full(*slot);
+  cuda::writeWord(stream, words.cudaAddress(full.index), full.value,
+                  "cuStreamWriteValue32 (eager slot full)");
+  ring.take(*slot);
+  state.eager = slot;
+  state.eagerDevice = ring.device();
+  flags_.set(state.queued);
+  eagerSends_.fetch_add(1, std::memory_order_relaxed);
+}
+
+CUstream CopyEngineChannel::eagerStream(int localDevice, int peerDevice) {
+  auto& stream = eagerStreams_[{localDevice, peerDevice}];
+  if (!stream) {
+    stream = std::make_unique<cuda::Stream>(localDevice, cuda::Stream::OnDestroy::kRelease);
+    log(LogLevel::kInfo, "eager stream for cuda:", localDevice, " -> peer cuda:", peerDevice);
+  }
+  return stream->handle();
 }
 
 bool CopyEngineChannel::fenceQueued(const CudaFence& fence) {

@@ -30,16 +30,26 @@ struct StagedNotice {
   uint32_t unused;
 };
 
+// An eager send's announcement data: which slot of the receiver's eager ring holds it.
+struct EagerNotice {
+  int32_t ringDevice;
+  uint32_t slot;
+  uint32_t use;
+  uint32_t unused;
+};
+
 }  // namespace
 
 CopyEngineChannel::CopyEngineChannel(CudaOps& cudaOps, const ProgressThread& thread,
-                                     size_t ipcCacheSize, uint64_t stagingBytes, Done onDone,
-                                     Notify notify, Release release)
+                                     size_t ipcCacheSize, uint64_t stagingBytes,
+                                     uint64_t eagerBytes, Done onDone, Notify notify,
+                                     Release release)
     : cudaOps_(cudaOps),
       thread_(thread),
       flags_(cudaOps.flags()),
       ipc_(ipcCacheSize),
       stagingBytes_(stagingBytes),
+      eagerBytes_(eagerBytes),
       onDone_(std::move(onDone)),
       notify_(std::move(notify)),
       release_(std::move(release)) {}
@@ -54,10 +64,23 @@ std::shared_ptr<StagingRing> CopyEngineChannel::ringFor(const Peer& source, int 
   auto [it, created] = rings_.try_emplace(RingKey{source.address.processKey, device});
   if (created) {
     try {
-      it->second = std::make_shared<StagingRing>(flags_, device, stagingBytes_);
+      it->second = std::make_shared<StagingRing>(flags_, device, stagingBytes_, kStagingSlots);
     } catch (const Error& error) {
       log(LogLevel::kInfo, "no staging ring on cuda:", device, " for sends from ",
           source.describe(), " (", error.what(), "): they wait for this process's streams");
+    }
+  }
+  return it->second;
+}
+
+std::shared_ptr<StagingRing> CopyEngineChannel::eagerRingFor(const Peer& source, int device) {
+  auto [it, created] = eagerRings_.try_emplace(source.address.processKey);
+  if (created) {
+    try {
+      it->second = std::make_shared<StagingRing>(flags_, device, eagerBytes_, kEagerSlots);
+    } catch (const Error& error) {
+      log(LogLevel::kInfo, "no eager ring on cuda:", device, " for sends from ",
+          source.describe(), " (", error.what(), "): they wait for this process's recvs");
     }
   }
   return it->second;
@@ -69,8 +92,10 @@ cuda::RemoteFlagSegment& CopyEngineChannel::flagsOf(const Peer& peer) {
   return *flags;
 }
 
-std::string CopyEngineChannel::armRecv(const std::shared_ptr<Op>& recv, Peer& source) {
+std::string CopyEngineChannel::armRecv(const std::shared_ptr<Op>& recv, Peer& source,
+                                       const std::string& announced) {
   thread_.check("CopyEngineChannel::armRecv");
+  if (!announced.empty()) return armEager(recv, source, announced);
   const CopyEngineOp& state = copyEngineOp(*recv);
   const Buffer& buffer = recv->request.buffer;
   std::string destination;
@@ -80,13 +105,105 @@ std::string CopyEngineChannel::armRecv(const std::shared_ptr<Op>& recv, Peer& so
   if (stageable(buffer.bytes)) {
     if (const auto staging = ringFor(source, buffer.device)) staging->appendTo(ring);
   }
-  const ClearanceHeader header{state.ready, state.queued, state.done, recv->id,
+  // A send that could have gone eagerly did not: its sender may not know the ring yet.
+  std::string eager;
+  if (buffer.bytes <= eagerBytes_) {
+    if (const auto ring = eagerRingFor(source, buffer.device)) ring->appendTo(eager);
+  }
+  const ClearanceHeader header{state.ready,
+                               state.queued,
+                               state.done,
+                               recv->id,
                                static_cast<uint32_t>(destination.size()),
-                               static_cast<uint32_t>(ring.size())};
+                               static_cast<uint32_t>(ring.size()),
+                               static_cast<uint32_t>(eager.size()),
+                               0};
   ++recv->outstanding;
   moving_.push_back(
       Transfer{recv, &source, nullptr, std::nullopt, nullptr, nullptr, std::nullopt});
-  return toBytes(header) + destination + ring;
+  return toBytes(header) + destination + ring + eager;
+}
+
+std::string CopyEngineChannel::announce(const Op& send) {
+  const CopyEngineOp& state = copyEngineOp(send);
+  if (!state.eager) return {};
+  return toBytes(EagerNotice{state.eagerDevice, state.eager->slot, state.eager->use, 0});
+}
+
+void CopyEngineChannel::prepareSend(const std::shared_ptr<Op>& send, Peer& destination) {
+  const CopyEngineOp& state = copyEngineOp(*send);
+  if (!state.eager) return;
+  // Its copy holds the buffer until `copied`; the op ends once its receiver has also cleared it.
+  Transfer transfer{send, &destination, nullptr, std::nullopt, nullptr, nullptr, state.eager};
+  transfer.eager = true;
+  ++send->outstanding;
+  moving_.push_back(std::move(transfer));
+}
+
+void CopyEngineChannel::clearedEager(const std::shared_ptr<Op>& send) {
+  for (Transfer& transfer : moving_) {
+    if (transfer.op == send) {
+      transfer.cleared = true;  // it ends once its copy has run (finishMove)
+      return;
+    }
+  }
+  onDone_(send, Status::success());
+}
+
+bool CopyEngineChannel::outlivesWait(const Op& op) const {
+  // Its receiver may still need its slot's bytes, which its process's exit would take away.
+  return op.isSend() && copyEngineOp(op).eager.has_value();
+}
+
+void CopyEngineChannel::learnEagerRing(Peer& destination,
+                                       std::shared_ptr<RemoteStagingRing> ring) {
+  cuda::RemoteFlagSegment& words = flagsOf(destination);
+  std::lock_guard<std::mutex> lock(eagerMutex_);
+  EagerRemote& known = eagerRemotes_[destination.address.processKey];
+  // The first stays: replacing it could unmap a slot that a queued copy still writes.
+  if (!known.ring) known = EagerRemote{std::move(ring), &words};
+}
+
+std::string CopyEngineChannel::armEager(const std::shared_ptr<Op>& recv, Peer& source,
+                                        const std::string& announced) {
+  EagerNotice notice{};
+  if (announced.size() != sizeof(notice)) {
+    fail("malformed eager announcement for ", recv->describe(), " (", announced.size(), " B)");
+  }
+  std::memcpy(&notice, announced.data(), sizeof(notice));
+  const auto known = eagerRings_.find(source.address.processKey);
+  if (known == eagerRings_.end() || !known->second ||
+      known->second->device() != notice.ringDevice || notice.slot >= known->second->slots()) {
+    fail(recv->describe(), " matched an eager send whose slot (cuda:", notice.ringDevice,
+         " slot ", notice.slot, ") this process does not have");
+  }
+  StagingRing& ring = *known->second;
+  const StagedSlot slot{notice.slot, notice.use};
+  {
+    cuda::ContextGuard context(ring.device());
+    enqueueCopyOut(*recv, ring, slot, copyOutStream(ring.device()));
+  }
+  ++recv->outstanding;
+  moving_.push_back(Transfer{recv, &source, nullptr, std::nullopt, nullptr, known->second, slot});
+  ++eagerRecvs_;
+  flags_.set(copyEngineOp(*recv).queued);
+  return {};
+}
+
+void CopyEngineChannel::discard(Peer& source, const std::string& announced) {
+  thread_.check("CopyEngineChannel::discard");
+  EagerNotice notice{};
+  const auto known = eagerRings_.find(source.address.processKey);
+  if (announced.size() != sizeof(notice) || known == eagerRings_.end() || !known->second) return;
+  std::memcpy(&notice, announced.data(), sizeof(notice));
+  StagingRing& ring = *known->second;
+  if (notice.slot >= ring.slots()) return;
+  try {
+    cuda::ContextGuard context(ring.device());
+    enqueueEmptying(ring, StagedSlot{notice.slot, notice.use}, copyOutStream(ring.device()));
+  } catch (const Error& error) {
+    log(LogLevel::kError, "an eager slot of ", source.describe(), " is lost: ", error.what());
+  }
 }
 
 CopyEngineChannel::Clearance CopyEngineChannel::readClearance(const Op& send, Peer& destination,
@@ -97,8 +214,8 @@ CopyEngineChannel::Clearance CopyEngineChannel::readClearance(const Op& send, Pe
   }
   std::memcpy(&clearance.header, channelData.data(), sizeof(ClearanceHeader));
   const ClearanceHeader& header = clearance.header;
-  const size_t expected =
-      sizeof(ClearanceHeader) + size_t{header.destinationBytes} + size_t{header.ringBytes};
+  const size_t expected = sizeof(ClearanceHeader) + size_t{header.destinationBytes} +
+                          size_t{header.ringBytes} + size_t{header.eagerRingBytes};
   if (channelData.size() != expected) {
     fail("malformed clear-to-send for ", send.describe(), " (", channelData.size(),
          " B, its header says ", expected, " B)");
@@ -110,12 +227,21 @@ CopyEngineChannel::Clearance CopyEngineChannel::readClearance(const Op& send, Pe
     auto& known = remoteRings_[RingKey{destination.address.processKey, ring->device()}];
     if (!known || known->bufferId() != ring->bufferId()) known = std::move(ring);
   }
+  if (header.eagerRingBytes != 0) {
+    learnEagerRing(destination,
+                   RemoteStagingRing::read(at + header.destinationBytes + header.ringBytes,
+                                           header.eagerRingBytes));
+  }
   return clearance;
 }
 
 void CopyEngineChannel::startSend(const std::shared_ptr<Op>& send, Peer& destination,
                                   const std::string& channelData) {
   thread_.check("CopyEngineChannel::startSend");
+  if (copyEngineOp(*send).eager) {
+    clearedEager(send);  // its bytes are in the receiver's slot, and the receiver took them
+    return;
+  }
   Transfer transfer{send,    &destination, nullptr, readClearance(*send, destination, channelData),
                     nullptr, nullptr,      std::nullopt};
   transfer.peerFlags = &flagsOf(destination);
@@ -241,7 +367,7 @@ void CopyEngineChannel::onNotice(Peer& source, const std::string& data) {
   }
   std::memcpy(&notice, data.data(), sizeof(notice));
   const auto ringIt = rings_.find(RingKey{source.address.processKey, notice.ringDevice});
-  if (ringIt == rings_.end() || !ringIt->second || notice.slot >= kStagingSlots) {
+  if (ringIt == rings_.end() || !ringIt->second || notice.slot >= ringIt->second->slots()) {
     log(LogLevel::kError, "ignored a staging notice from ", source.describe(),
         " for a slot this process does not have (cuda:", notice.ringDevice, " slot ",
         notice.slot, ")");
@@ -358,6 +484,9 @@ bool CopyEngineChannel::finishMove(Transfer& transfer) {
     // The DMA stream waited for `produced` before the copy that `copied` follows.
     state.produced->markReached();
     --op.outstanding;
+    if (transfer.eager && !transfer.cleared && !op.finished()) {
+      return true;  // its clear-to-send ends it (clearedEager)
+    }
     if (!transfer.slot) {
       ipc_.done(transfer.peer->address.processKey, transfer.clearance->destination,
                 op.request.buffer.device);
@@ -469,6 +598,14 @@ void CopyEngineChannel::peerFailed(Peer& peer) {
   for (auto it = remoteRings_.begin(); it != remoteRings_.end();) {
     it = it->first.first == key ? remoteRings_.erase(it) : std::next(it);
   }
+  if (const auto eager = eagerRings_.find(key); eager != eagerRings_.end()) {
+    if (eager->second) eager->second->releaseWaits();
+    eagerRings_.erase(eager);  // recvs still copying out hold it
+  }
+  {
+    std::lock_guard<std::mutex> lock(eagerMutex_);
+    eagerRemotes_.erase(key);
+  }
   ipc_.dropPeer(key);
 }
 
@@ -503,7 +640,8 @@ std::string CopyEngineChannel::describeWait(const Op& op) const {
   }
   for (const Transfer& send : moving_) {
     if (send.op.get() == &op && send.slot) {
-      text += concat(", staged in slot ", send.slot->slot, " use ", send.slot->use);
+      text += concat(send.eager ? ", eager in slot " : ", staged in slot ", send.slot->slot,
+                     " use ", send.slot->use);
     } else if (send.op.get() == &op) {
       const cuda::Flag& theirs = send.clearance->header.ready;
       text += concat(", peer ", flag("ready", send.peerFlags->wordOf(theirs), theirs));
@@ -522,6 +660,9 @@ void CopyEngineChannel::addStats(std::map<std::string, int64_t>& stats) const {
   stats["staging_rings"] = static_cast<int64_t>(rings_.size());
   stats["staged_sends"] = static_cast<int64_t>(stagedSends_);
   stats["staged_recvs"] = static_cast<int64_t>(stagedRecvs_);
+  stats["eager_rings"] = static_cast<int64_t>(eagerRings_.size());
+  stats["eager_sends"] = static_cast<int64_t>(eagerSends_.load(std::memory_order_relaxed));
+  stats["eager_recvs"] = static_cast<int64_t>(eagerRecvs_);
 }
 
 CUstream CopyEngineChannel::dmaStream(int localDevice, int peerDevice) {

@@ -4,8 +4,10 @@
 
 #include <functional>
 #include <list>
+#include <atomic>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <utility>
@@ -40,6 +42,15 @@ namespace smfree::engine {
 // The sender then tells the receiver the slot (a ChannelNotice); the receiver's copy engine
 // waits for its `ready` and the slot's `full`, copies the slot out into the buffer, writes
 // `done` and empties the slot. The same rule holds: both waits are for submitted work.
+//
+// Eager sends: a send of up to SMFREE_EAGER_BYTES is copied, at its post and on the caller's
+// thread, into a slot of its receiver's eager ring (a StagingRing of kEagerSlots slots, one
+// per sending process, exported with the first clear-to-send of such a size) if the receiver
+// has emptied that slot; its `queued` is set at once, so its wait() returns at once. Its
+// announcement names the slot; the receiver's progress thread, at the match, queues the copy
+// out (wait for `ready` and the slot's `full`, copy, write `done` and `emptied`) and sets the
+// recv's `queued`. Both waits are again for submitted work, so a recv's wait() holds the CPU
+// only until its sender has posted. A send without a free slot goes by rendezvous.
 class CopyEngineChannel final : public Channel {
  public:
   // Sends a ChannelNotice's data to a peer.
@@ -49,7 +60,8 @@ class CopyEngineChannel final : public Channel {
   using Release = std::function<void(const std::string&, std::vector<uint64_t>)>;
 
   CopyEngineChannel(CudaOps& cudaOps, const ProgressThread& thread, size_t ipcCacheSize,
-                    uint64_t stagingBytes, Done onDone, Notify notify, Release release);
+                    uint64_t stagingBytes, uint64_t eagerBytes, Done onDone, Notify notify,
+                    Release release);
 
   // Caller's thread (CopyEngineCaller.cpp).
   CudaFence prepare(Op& op, const PostOptions& options) override;
@@ -59,7 +71,12 @@ class CopyEngineChannel final : public Channel {
   // Progress thread.
   bool reaches(const Peer& peer) const override;
   bool callsCudaOnProgressThread(const Op& op) const override { return true; }
-  std::string armRecv(const std::shared_ptr<Op>& recv, Peer& source) override;
+  std::string announce(const Op& send) override;
+  void prepareSend(const std::shared_ptr<Op>& send, Peer& destination) override;
+  std::string armRecv(const std::shared_ptr<Op>& recv, Peer& source,
+                      const std::string& announced) override;
+  void discard(Peer& source, const std::string& announced) override;
+  bool outlivesWait(const Op& op) const override;
   void startSend(const std::shared_ptr<Op>& send, Peer& destination,
                  const std::string& channelData) override;
   void cancel(Op& op) override;
@@ -83,7 +100,7 @@ class CopyEngineChannel final : public Channel {
 
  private:
   // The fixed part of the receiver's clear-to-send: its flags and op, then the sizes of the
-  // buffer's export and of its staging ring (0 when none), which follow.
+  // buffer's export, of its staging ring and of its eager ring (0 when none), which follow.
   struct ClearanceHeader {
     cuda::Flag ready;
     cuda::Flag queued;
@@ -91,6 +108,8 @@ class CopyEngineChannel final : public Channel {
     uint64_t recvId;
     uint32_t destinationBytes;
     uint32_t ringBytes;
+    uint32_t eagerRingBytes;
+    uint32_t unused;
   };
   struct Clearance {
     ClearanceHeader header;
@@ -103,7 +122,14 @@ class CopyEngineChannel final : public Channel {
     std::optional<Clearance> clearance;        // sends
     std::shared_ptr<RemoteStagingRing> remote; // sends that may be or were staged
     std::shared_ptr<StagingRing> ring;         // recvs whose copy-out is submitted
-    std::optional<StagedSlot> slot;            // staged sends, and those recvs
+    std::optional<StagedSlot> slot;            // staged and eager sends, and those recvs
+    bool eager = false;                        // sends: copied at the post
+    bool cleared = false;                      // eager sends: the receiver took the slot
+  };
+  // The sender's view of a receiver's eager ring, used on callers' threads.
+  struct EagerRemote {
+    std::shared_ptr<RemoteStagingRing> ring;
+    cuda::RemoteFlagSegment* words = nullptr;  // the receiver's flag segment (peerFlags_)
   };
   using RingKey = std::pair<std::string, int>;  // (peer's process key, ring's device)
 
@@ -112,6 +138,16 @@ class CopyEngineChannel final : public Channel {
   // The peer's flag segment, mapped on the first send to it.
   cuda::RemoteFlagSegment& flagsOf(const Peer& peer);
   std::shared_ptr<StagingRing> ringFor(const Peer& source, int device);
+  std::shared_ptr<StagingRing> eagerRingFor(const Peer& source, int device);
+
+  // Caller's thread: copies a send into its receiver's eager ring if a slot is free.
+  void pushEagerly(Op& send, CopyEngineOp& state, const std::string& peerKey);
+  CUstream eagerStream(int localDevice, int peerDevice);  // under eagerMutex_
+  void learnEagerRing(Peer& destination, std::shared_ptr<RemoteStagingRing> ring);
+  // Receiver: queues the copy out of the slot an eager send filled.
+  std::string armEager(const std::shared_ptr<Op>& recv, Peer& source,
+                       const std::string& announced);
+  void clearedEager(const std::shared_ptr<Op>& send);
 
   void submitDirect(Transfer send);
   void submitStaged(Transfer send, const StagedSlot& slot);
@@ -139,6 +175,7 @@ class CopyEngineChannel final : public Channel {
   cuda::IpcExporter exporter_;
   cuda::IpcCache ipc_;
   uint64_t stagingBytes_;
+  uint64_t eagerBytes_;
   Done onDone_;
   Notify notify_;
   Release release_;
@@ -146,6 +183,15 @@ class CopyEngineChannel final : public Channel {
   std::map<std::string, std::unique_ptr<cuda::RemoteFlagSegment>> peerFlags_;
   std::map<RingKey, std::shared_ptr<StagingRing>> rings_;  // null: none can be had
   std::map<RingKey, std::shared_ptr<RemoteStagingRing>> remoteRings_;
+  // Receiver: by sending process, on the device of the first recv that could be eager.
+  std::map<std::string, std::shared_ptr<StagingRing>> eagerRings_;  // null: none can be had
+  // Sender: the first eager ring each receiving process sent, and the streams that fill them;
+  // callers' threads post eager sends, so these are under eagerMutex_.
+  std::mutex eagerMutex_;
+  std::map<std::string, EagerRemote> eagerRemotes_;
+  std::map<std::pair<int, int>, std::unique_ptr<cuda::Stream>> eagerStreams_;
+  std::atomic<uint64_t> eagerSends_{0};
+  uint64_t eagerRecvs_ = 0;
   std::list<Transfer> held_;    // cleared sends waiting for a slot or for `ready`
   std::list<Transfer> moving_;  // copies submitted (sends) or expected (recvs)
   uint64_t stagedSends_ = 0;  // copied into a receiver's slot

@@ -2,8 +2,10 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 
 #include "engine/Op.h"
+#include "engine/channels/copy_engine/StagingRing.h"
 #include "engine/cuda/Event.h"
 #include "engine/cuda/FlagSegment.h"
 
@@ -30,6 +32,11 @@ struct CopyEngineOp final : OpChannelState {
   std::shared_ptr<cuda::Event> produced;
   // Send: recorded on the DMA stream after the copy; user streams wait on it.
   std::shared_ptr<cuda::Event> copied;
+
+  // Eager send: the slot of its receiver's eager ring (on `eagerDevice`) that its copy,
+  // queued at the post, fills.
+  std::optional<StagedSlot> eager;
+  int eagerDevice = -1;
 };
 
 inline CopyEngineOp& copyEngineOp(const Op& op) {

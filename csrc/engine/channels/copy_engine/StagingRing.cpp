@@ -37,9 +37,10 @@ cuda::Flag slotFull(const cuda::Flag& word, uint32_t use) { return word.plus(2 *
 
 cuda::Flag slotEmptied(const cuda::Flag& word, uint32_t use) { return word.plus(2 * use + 1); }
 
-StagingRing::StagingRing(cuda::FlagSegment& flags, int device, uint64_t slotBytes)
-    : flags_(flags), slotBytes_(slotBytes), memory_(device, slotBytes * kStagingSlots) {
-  for (uint32_t slot = 0; slot < kStagingSlots; ++slot) words_.push_back(flags_.acquire());
+StagingRing::StagingRing(cuda::FlagSegment& flags, int device, uint64_t slotBytes,
+                         uint32_t slots)
+    : flags_(flags), slotBytes_(slotBytes), memory_(device, slotBytes * slots) {
+  for (uint32_t slot = 0; slot < slots; ++slot) words_.push_back(flags_.acquire());
   exported_ = exportMemory(memory_);
 }
 

@@ -16,11 +16,14 @@
 
 namespace smfree::engine {
 
-// Staging: slots in the receiver's GPU memory, one ring per (sender process, receiver device),
-// that a sender copies into when the receiver's stream has not yet freed the destination.
-// The receiver's copy engine then moves the bytes out once it has. This takes the receiver's
-// `ready` hop off the sender's copy engine (measured at 16 MiB on H200: 59.3 µs per op
-// with the hop, 50.1 µs staged).
+// A ring of slots in the receiver's GPU memory, per (sender process, receiver device), that a
+// sender's copy engine writes into and the receiver's copies out of. Two uses (see
+// CopyEngineChannel.h):
+//  - staging: a cleared send whose receiver's stream has not yet freed the destination goes
+//    to a slot. This takes the receiver's `ready` hop off the sender's copy engine (measured
+//    at 16 MiB on H200: 59.3 µs per op with the hop, 50.1 µs staged);
+//  - eager sends: a small send is copied into a slot at its post, before any receiver has
+//    matched it, so that neither side's CPU waits for the other's.
 //
 // Each slot has one word in the receiver's flag segment. Use `u` of a slot raises it to
 // full(u) when the sender's copy has landed and to emptied(u) when the receiver has copied
@@ -33,8 +36,12 @@ struct StagedSlot {
 cuda::Flag slotFull(const cuda::Flag& word, uint32_t use);
 cuda::Flag slotEmptied(const cuda::Flag& word, uint32_t use);
 
-// Slots per ring. A third slot measured no faster than two.
+// Slots per staging ring. A third slot measured no faster than two.
 constexpr uint32_t kStagingSlots = 2;
+// Slots per eager ring: how many small sends a sender may have in a receiver's memory before
+// its next one waits for the receiver (a rendezvous). A pipeline stage sends one activation or
+// gradient per micro-batch; 8 lets a sender run that many micro-batches ahead.
+constexpr uint32_t kEagerSlots = 8;
 // Below this a staged op costs more than the hop it saves: its receiver learns that its
 // buffer is being filled from a control message instead of a word in shared memory, and at
 // 4 MiB that round trip, not the GPU, sets the pace (H200 one way: 26.6 µs per 4 MiB op
@@ -45,7 +52,7 @@ constexpr uint64_t kStagingMinBytes = 8ull << 20;
 class StagingRing {
  public:
   // Throws Error when the memory or the words cannot be had.
-  StagingRing(cuda::FlagSegment& flags, int device, uint64_t slotBytes);
+  StagingRing(cuda::FlagSegment& flags, int device, uint64_t slotBytes, uint32_t slots);
   StagingRing(const StagingRing&) = delete;
   StagingRing& operator=(const StagingRing&) = delete;
 
@@ -60,6 +67,7 @@ class StagingRing {
   void releaseWaits() const;
   int device() const { return memory_.device(); }
   uint64_t slotBytes() const { return slotBytes_; }
+  uint32_t slots() const { return static_cast<uint32_t>(words_.size()); }
 
  private:
   cuda::FlagSegment& flags_;

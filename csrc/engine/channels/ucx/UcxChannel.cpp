@@ -220,7 +220,8 @@ void UcxChannel::prepareSend(const std::shared_ptr<Op>& send, Peer& destination)
   ++hostStagedSends_;
 }
 
-std::string UcxChannel::armRecv(const std::shared_ptr<Op>& recv, Peer& source) {
+std::string UcxChannel::armRecv(const std::shared_ptr<Op>& recv, Peer& source,
+                                const std::string& /*announced*/) {
   thread_.check("UcxChannel::armRecv");
   const UcxCudaOp* state = ucxCudaOp(*recv);
   std::shared_ptr<CallerStaging> callerStaging = state ? state->staging : nullptr;

@@ -77,7 +77,8 @@ class UcxChannel final : public Channel {
   bool committed() const override { return commitments_ > 0; }
   bool promiseSend(Op& send) override;
   void prepareSend(const std::shared_ptr<Op>& send, Peer& destination) override;
-  std::string armRecv(const std::shared_ptr<Op>& recv, Peer& source) override;
+  std::string armRecv(const std::shared_ptr<Op>& recv, Peer& source,
+                      const std::string& announced) override;
   void cleared(const std::shared_ptr<Op>& recv, bool sendPromised) override;
   void startSend(const std::shared_ptr<Op>& send, Peer& destination,
                  const std::string& channelData) override;
