@@ -27,6 +27,9 @@ struct PostOptions {
   std::chrono::milliseconds timeout;  // the group's: how long admission may block
   PeerRoute route;                    // toward the op's peer; default for any-source recvs
   std::string peerKey;                // the peer's process key; empty for any-source recvs
+  // Recvs: Op::seq is the recv's place in its (source, tag) line, which the n-th send of that
+  // line meets; false where that cannot be known at the post.
+  bool placeKnown = false;
 };
 
 // A data channel moves the bytes of a matched send/recv pair; the control plane has already
@@ -93,9 +96,11 @@ class Channel {
   // the sender's side needs to deliver them.
   virtual std::string armRecv(const std::shared_ptr<Op>& recv, Peer& source,
                               const std::string& announced) = 0;
-  // Receiver: an announcement with channel data that no recv will arm (refused, or its group
-  // closed): gives back what the data holds.
-  virtual void discard(Peer& source, const std::string& announced) {}
+  // Receiver: an announcement with channel data arrived (before it is matched).
+  virtual void announced(Peer& source, const ReadyToSend& rts) {}
+  // Receiver: an announcement with channel data that no recv will arm (refused, empty, or its
+  // group closed): gives back what the data holds. `recv`: the recv it was refused to, if any.
+  virtual void discard(Peer& source, const ReadyToSend& rts, Op* recv) {}
   // Receiver, once the clear-to-send has left; `sendPromised` as the announcement said.
   virtual void cleared(const std::shared_ptr<Op>& recv, bool sendPromised) {}
   // Sender: deliver the bytes, given what armRecv returned on the receiver.

@@ -9,6 +9,7 @@
 namespace smfree::engine {
 
 struct CallerStaging;
+struct EagerRecv;
 
 // What a caller needs to make its stream wait for a CUDA op (Group::waitOnStream): a recv's
 // `done` flag, or a send's `copied` event, once `queued` says the copy is submitted.
@@ -28,6 +29,7 @@ struct CudaFence {
   cuda::Flag done;
   std::shared_ptr<cuda::Event> copied;
   std::shared_ptr<CallerStaging> stagedRecv;  // its wait() queues its copies in
+  std::shared_ptr<EagerRecv> eagerRecv;        // its wait() may queue its copy out of a slot
 };
 
 }  // namespace smfree::engine

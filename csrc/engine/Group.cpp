@@ -99,22 +99,52 @@ std::optional<CudaFence> Group::post(OpRequest request) {
   op->request = std::move(request);
   op->groupId = id_;
   op->config = config_;
+  std::lock_guard<std::mutex> numbering(postMutex_);
+  const bool placeKnown = number(*op);
   std::optional<CudaFence> fence;
   if (op->request.buffer.memory == MemoryKind::kCuda) {
     const int peer = op->request.peer;
-    op->channel = cudaChannel(peer);
-    PostOptions options{timeout(), {}, {}};
+    PostOptions options{timeout(), {}, {}, placeKnown};
     if (peer != kAnySource) {
       options.route.stagedThroughHost = stagesCuda_[peer];
       std::lock_guard<std::mutex> lock(keysMutex_);
       options.peerKey = processKeys_[peer];
     }
-    fence = engine_->channel(op->channel).prepare(*op, options);
+    try {
+      op->channel = cudaChannel(peer);
+      fence = engine_->channel(op->channel).prepare(*op, options);
+    } catch (...) {
+      unnumber(*op);  // not posted: the next op takes its place in the line
+      throw;
+    }
   }
   op->posted = Clock::now();
   op->deadline = op->posted + timeout();
   engine_->post(std::move(op));
   return fence;
+}
+
+bool Group::number(Op& op) {
+  const std::pair<int, int> line{op.request.peer, op.request.tag};
+  if (op.isSend()) {
+    op.seq = sendSeq_[line]++;
+    return true;
+  }
+  if (op.request.peer == kAnySource) {
+    if (!anySourcePosted_) {
+      log(LogLevel::kInfo, "group '", config_->name, "': a recv from any source; later CUDA "
+          "recvs wait for their send's announcement before their copies are queued");
+    }
+    anySourcePosted_ = true;
+    return false;
+  }
+  op.seq = recvSeq_[line]++;
+  return !anySourcePosted_;
+}
+
+void Group::unnumber(const Op& op) {
+  if (op.request.peer == kAnySource) return;
+  --(op.isSend() ? sendSeq_ : recvSeq_)[{op.request.peer, op.request.tag}];
 }
 
 ChannelKind Group::cudaChannel(int peer) const {

@@ -59,6 +59,10 @@ class Group {
   std::map<std::string, int64_t> stats();
 
  private:
+  // Numbers the op in its (peer, tag) line (Op::seq); false where a recv's place in its line
+  // cannot be known at its post (a recv from any source came before, or it is one).
+  bool number(Op& op);
+  void unnumber(const Op& op);  // the op was refused at its post (under postMutex_)
   // Which channel a CUDA op with `peer` (a rank or kAnySource) moves on.
   ChannelKind cudaChannel(int peer) const;
   // Polls the fence's channel until the op's copies are queued; false if `deadline` comes
@@ -78,6 +82,15 @@ class Group {
   std::unique_ptr<std::atomic<bool>[]> sameHost_;  // by rank, written before connected_
   std::unique_ptr<std::atomic<bool>[]> stagesCuda_;  // by rank, written before connected_
   std::atomic<bool> closed_{false};
+  // Posts are numbered here, on the callers' threads, so that a channel knows at the post
+  // which message of its (peer, tag) line an op is: the n-th send to a (rank, tag) meets the
+  // n-th recv from that (rank, tag). Held from the numbering to the engine's queue.
+  std::mutex postMutex_;
+  std::map<std::pair<int, int>, uint64_t> sendSeq_;  // (destination, tag) -> next
+  std::map<std::pair<int, int>, uint64_t> recvSeq_;  // (source, tag) -> next
+  // Since a recv from any source: it takes a message of a line unknown until it matches, so
+  // later recvs can no longer know their place.
+  bool anySourcePosted_ = false;
 };
 
 }  // namespace smfree::engine

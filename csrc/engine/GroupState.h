@@ -29,7 +29,6 @@ struct GroupState {
   uint64_t id = 0;
   Matcher matcher;
   std::vector<Peer*> peers;                     // by group rank; null until connected
-  std::map<std::pair<int, int>, uint64_t> sendSeq;  // (destination, tag) -> next seq
   bool closed = false;
   std::string closeReason;
 };

@@ -205,13 +205,13 @@ void Rendezvous::startOp(const std::shared_ptr<Op>& op) {
   GroupState* group = findGroup(op->groupId);
   if (const auto refusal = refusalAtStart(*op, group)) {
     transition(op, OpState::kEnded, *refusal);
+    if (op->isSend()) keepPlace(*op, group, refusal->message);
     return;
   }
   live_.emplace(op->id, op);
   transition(op, OpState::kWaiting);
   if (op->isSend()) {
     Peer& peer = *group->peers[op->request.peer];
-    op->seq = group->sendSeq[{op->request.peer, op->request.tag}]++;
     const bool promised = channels_.of(*op).promiseSend(*op);
     // Announced first: preparing may take a while (pinned memory allocated), and the receiver
     // can match meanwhile.
@@ -242,6 +242,12 @@ void Rendezvous::onReadyToSend(const ReadyToSend& message) {
     log(LogLevel::kDebug, "dropped a send announced to closed group '", group->config->name, "'");
     discardAnnounced(*group, message);
     return;
+  }
+  if (!message.channelData.empty()) {
+    Peer* sender = message.source >= 0 && message.source < static_cast<int>(group->peers.size())
+                       ? group->peers[message.source]
+                       : nullptr;
+    if (sender) channels_.of(message.channel).announced(*sender, message);
   }
   for (Matcher::Match& match : group->matcher.announce(message)) {
     onMatched(*group, match);
@@ -293,7 +299,7 @@ void Rendezvous::onMatched(GroupState& group, Matcher::Match& match) {
   }
   if (recv->finished()) {
     // The recv timed out earlier but kept its place in line: refuse the send it was meant for.
-    discardAnnounced(group, rts);
+    discardAnnounced(group, rts, recv.get());
     peers_.send(*sender, Refusal{group.id, group.config->rank, rts.sendId, StatusCode::kTimeout,
                                  concat("the matching ", recv->describe(),
                                         " had already timed out")});
@@ -302,7 +308,7 @@ void Rendezvous::onMatched(GroupState& group, Matcher::Match& match) {
   recv->source = rts.source;
   if (recv->request.onMatched) recv->request.onMatched(rts.source);
   if (const auto refusal = refusalOfMatch(group, match, *sender)) {
-    discardAnnounced(group, rts);
+    discardAnnounced(group, rts, recv.get());
     transition(recv, OpState::kEnded, refusal->status);
     if (refusal->tellSender) {
       peers_.send(*sender, Refusal{group.id, group.config->rank, rts.sendId, refusal->status.code,
@@ -312,6 +318,7 @@ void Rendezvous::onMatched(GroupState& group, Matcher::Match& match) {
   }
   ClearToSend clear{group.id, group.config->rank, rts.sendId, recv->id, {}};
   if (rts.desc.bytes == 0) {
+    discardAnnounced(group, rts, recv.get());
     transition(recv, OpState::kEnded, Status::success());
     peers_.send(*sender, clear);
     return;
@@ -320,7 +327,7 @@ void Rendezvous::onMatched(GroupState& group, Matcher::Match& match) {
   try {
     clear.channelData = channels_.of(*recv).armRecv(recv, *sender, rts.channelData);
   } catch (const Error& error) {
-    discardAnnounced(group, rts);
+    discardAnnounced(group, rts, recv.get());
     failOp(recv, StatusCode::kTransport, error.what());
     peers_.send(*sender, Refusal{group.id, group.config->rank, rts.sendId,
                                  StatusCode::kTransport, error.what()});
@@ -366,6 +373,9 @@ void Rendezvous::onClearToSend(const ClearToSend& message) {
     channels_.of(*send).startSend(send, *receiver, message.channelData);
   } catch (const Error& error) {
     failOp(send, StatusCode::kTransport, error.what());
+    // Its receiver is armed for bytes that will not come: it fails now, not at its timeout.
+    peers_.send(*receiver, Cancellation{message.group, group->config->rank, 0, 0, message.recvId,
+                                        concat("the matching send failed: ", error.what())});
   }
 }
 
@@ -486,13 +496,27 @@ bool Rendezvous::transition(const std::shared_ptr<Op>& op, OpState next, const S
   return true;
 }
 
-void Rendezvous::discardAnnounced(GroupState& group, const ReadyToSend& rts) {
+void Rendezvous::discardAnnounced(GroupState& group, const ReadyToSend& rts, Op* recv) {
   if (rts.channelData.empty()) return;
   Peer* sender = rts.source >= 0 && rts.source < static_cast<int>(group.peers.size())
                      ? group.peers[rts.source]
                      : nullptr;
   // A failed sender's channel state is gone with it.
-  if (sender && !sender->failed) channels_.of(rts.channel).discard(*sender, rts.channelData);
+  if (sender && !sender->failed) {
+    channels_.of(rts.channel).discard(*sender, rts, recv);
+  }
+}
+
+void Rendezvous::keepPlace(const Op& send, GroupState* group, const std::string& why) {
+  // The send was numbered in its line at its post: a receiver that can still be told must
+  // skip that number, or every later message of the line would wait for it.
+  if (!group || group->closed) return;
+  Peer* peer = group->peers[send.request.peer];
+  if (!peer || peer->failed) return;
+  peers_.send(*peer, ReadyToSend{send.groupId, group->config->rank, send.request.tag, send.seq,
+                                 send.id, send.request.desc, send.channel, false, {}});
+  peers_.send(*peer, Cancellation{send.groupId, group->config->rank, send.request.tag, send.seq,
+                                  0, why});
 }
 
 GroupState* Rendezvous::findGroup(uint64_t groupId) {

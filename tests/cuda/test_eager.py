@@ -67,57 +67,103 @@ def test_send_wait_returns_before_its_recv_is_posted(numel, connections):
         assert sends == rounds and recvs == rounds
 
 
-def _more_sends_than_slots(rank, world, count, numel):
-    # More sends posted than the eager ring has slots before any recv is: the sends beyond
-    # the free slots go by rendezvous. Received in the reverse order (tags), every message
-    # lands in its own buffer.
+def _more_messages_than_slots(rank, world, count, numel):
+    # A lane holds kEagerSlots messages: the sender's posts beyond them wait for the receiver
+    # to empty slots. The receiver waits for its last recv first, before any send is posted:
+    # that wait() queues every copy out in the lane's order, so no slot is awaited behind the
+    # copy that frees it.
     dev = torch.device("cuda", rank)
     peer = 1 - rank
-    _warm_up(rank, dev, numel)
+    for _ in range(2):  # the lane opens (rendezvous), then its first eager message shows it
+        _warm_up(rank, dev, numel)
     backend = dist.group.WORLD._get_backend(dev)
     before = backend._stats()
+    store = _store()
     if rank == 0:
+        store.wait(["waited"])
         payloads = [torch.full((numel,), float(i), device=dev) for i in range(count)]
-        works = [dist.isend(p, peer, tag=i) for i, p in enumerate(payloads)]
-        _store().set("posted", "1")
+        works = [dist.isend(p, peer) for p in payloads]
         for work in works:
             work.wait()
         got = None
     else:
         got = [torch.empty(numel, device=dev) for _ in range(count)]
-        _store().wait(["posted"])
-        works = [dist.irecv(got[i], peer, tag=i) for i in reversed(range(count))]
-        for work in works:
+        works = [dist.irecv(g, peer) for g in got]
+        works[-1].wait()
+        store.set("waited", "1")
+        for work in reversed(works[:-1]):
             work.wait()
         got = [(g.min().item(), g.max().item()) for g in got]
     synchronize(dev)
     after = backend._stats()
-    return got, after["eager_sends"] - before["eager_sends"], after["eager_recvs"] - before["eager_recvs"]
+    return got, {key: after[key] - before[key]
+                 for key in ("eager_sends", "eager_recvs", "eager_recvs_queued_by_wait")}
 
 
 @pytest.mark.parametrize("connections", ["1", "8"])
-def test_more_sends_than_slots_fall_back_to_rendezvous(connections):
+def test_more_messages_than_slots_waited_last_first(connections):
     COPY_ENGINE.skip_unless_ranks(2)
-    count = 24
-    sender, receiver = COPY_ENGINE.run(_more_sends_than_slots, 2, count, 4096,
+    count = 40
+    sender, receiver = COPY_ENGINE.run(_more_messages_than_slots, 2, count, 4096,
                                        env={"CUDA_DEVICE_MAX_CONNECTIONS": connections})
-    got, _, eager_recvs = receiver
-    _, eager_sends, _ = sender
+    got, received = receiver
+    _, sent = sender
     assert got == [(float(i), float(i)) for i in range(count)]
-    assert eager_sends == 8  # the ring's free slots; no recv had emptied one
-    assert eager_recvs == eager_sends
+    assert sent["eager_sends"] == count and received["eager_recvs"] == count
+    # The last recv's wait() found the lane eager, and queued every copy out itself.
+    assert received["eager_recvs_queued_by_wait"] == count
+
+
+def _recv_returns_before_its_send_is_posted(rank, world, numel, rounds):
+    dev = torch.device("cuda", rank)
+    peer = 1 - rank
+    for _ in range(2):
+        _warm_up(rank, dev, numel)
+    store = _store()
+    seen = []
+    for r in range(rounds):
+        if rank == 1:
+            got = torch.empty(numel, device=dev)
+            dist.recv(got, peer)  # returns at once: the stream waits for the bytes
+            store.set(f"waited/{r}", "1")
+            seen.append((got.min().item(), got.max().item()))  # synchronizes with the stream
+        else:
+            store.wait([f"waited/{r}"])
+            dist.send(torch.full((numel,), float(r), device=dev), peer)
+    synchronize(dev)
+    return seen
+
+
+@pytest.mark.parametrize("connections", ["1", "8"])
+def test_recv_wait_returns_before_its_send_is_posted(connections):
+    COPY_ENGINE.skip_unless_ranks(2)
+    rounds = 12
+    got = COPY_ENGINE.run(_recv_returns_before_its_send_is_posted, 2, 64 << 10, rounds,
+                          env={"CUDA_DEVICE_MAX_CONNECTIONS": connections})[1]
+    assert got == [(float(r), float(r)) for r in range(rounds)]
+
+
+def _error_of(work):
+    """A recv's error: from its wait(), or, where its wait() had already queued the copy out
+    (the lane said the message was eager), from the op's end afterwards."""
+    try:
+        work.wait()
+    except dist.DistBackendError as error:
+        return str(error)
+    with pytest.raises(dist.DistBackendError) as raised:
+        work.synchronize()
+    return str(raised.value)
 
 
 def _refused_eager_send(rank, world):
     dev = torch.device("cuda", rank)
     peer = 1 - rank
-    _warm_up(rank, dev, 4)
+    for _ in range(2):
+        _warm_up(rank, dev, 4)
     store = _store()
     if rank == 1:
         store.wait(["waited"])
-        with pytest.raises(dist.DistBackendError) as raised:
-            dist.recv(torch.empty(8, device=dev), peer)
-        return str(raised.value)
+        return _error_of(dist.irecv(torch.empty(8, device=dev), peer))
     work = dist.isend(torch.ones(4, device=dev), peer)
     work.wait()  # returns before the receiver has posted: the bytes are in its slot
     store.set("waited", "1")
@@ -141,10 +187,11 @@ def test_receiver_refusal_of_an_eager_send_reaches_the_sender_after_its_wait():
 def _unclaimed_eager_send(rank, world):
     dev = torch.device("cuda", rank)
     peer = 1 - rank
-    _warm_up(rank, dev, 4)
+    for _ in range(2):
+        _warm_up(rank, dev, 4)
     store = _store()
     if rank == 0:
-        work = dist.isend(torch.ones(4, device=dev), peer, tag=5)
+        work = dist.isend(torch.ones(4, device=dev), peer)
         work.wait()  # returns at once; nobody will receive it in time
         with pytest.raises(dist.DistBackendError) as late:
             work.synchronize()
@@ -153,18 +200,7 @@ def _unclaimed_eager_send(rank, world):
         store.set("expired", "1")
         return str(late.value), str(refused.value)
     store.wait(["expired"], datetime.timedelta(seconds=60))  # past the group timeout
-    with pytest.raises(dist.DistBackendError) as raised:
-        dist.recv(torch.empty(4, device=dev), peer, tag=5)
-    return str(raised.value)
-
-
-def test_unclaimed_eager_send_times_out_after_its_wait():
-    COPY_ENGINE.skip_unless_ranks(2)
-    (late, refused), receiver_error = COPY_ENGINE.run(_unclaimed_eager_send, 2,
-                                                      group_timeout_s=2)
-    assert "was not matched by a recv within the group timeout" in late, late
-    assert "failed after its wait() returned" in refused, refused
-    assert "the matching send gave up" in receiver_error, receiver_error
+    return _error_of(dist.irecv(torch.empty(4, device=dev), peer))
 
 
 def _dropped_after_isend(rank, world, numel):

@@ -3,6 +3,8 @@
 // on the caller's stream; and what the progress thread gives back once the op has ended.
 #include "engine/channels/copy_engine/CopyEngineChannel.h"
 
+#include <thread>
+
 #include "engine/Log.h"
 #include "engine/cuda/CudaDriver.h"
 #include "engine/cuda/StreamMemoryOps.h"
@@ -19,14 +21,25 @@ CudaFence CopyEngineChannel::prepare(Op& op, const PostOptions& options) {
       state->produced = cuda::takeEvent(device);
       state->copied = cuda::takeEvent(device);
       state->produced->record(static_cast<CUstream>(op.request.stream));
-      const uint64_t bytes = op.request.buffer.bytes;
-      if (bytes != 0 && bytes <= eagerBytes_ && !options.peerKey.empty()) {
-        pushEagerly(op, *state, options.peerKey);
+      if (lanes_.enabled() && !options.peerKey.empty()) {
+        state->eager = lanes_.push(op, laneOf(op, options.peerKey), *state->produced,
+                                   *state->copied, options.timeout);
+        if (state->eager) {
+          flags_.set(state->queued);  // its wait() makes the stream wait for `copied` at once
+          eagerSends_.fetch_add(1, std::memory_order_relaxed);
+        }
       }
     } else {
       state->done = flags_.acquire(kDoneSpan);
       state->ready = flags_.acquire();
       cudaOps_.writeFromStream(op, state->ready);
+      if (lanes_.enabled() && options.placeKnown) {
+        state->eagerRecv = std::make_shared<EagerRecv>();
+        state->eagerRecv->lane = laneOf(op, options.peerKey);
+        state->eagerRecv->seq = op.seq;
+        state->eagerRecv->buffer = op.request.buffer;
+        lanes_.posted(state->eagerRecv);
+      }
     }
   } catch (...) {
     // A value of 0 is never handed out: those words were not acquired.
@@ -36,56 +49,32 @@ CudaFence CopyEngineChannel::prepare(Op& op, const PostOptions& options) {
     cudaOps_.retire();
     throw;
   }
-  const CudaFence fence{ChannelKind::kCopyEngine, state->queued, state->done, state->copied,
-                        nullptr};
+  const CudaFence fence{.channel = ChannelKind::kCopyEngine,
+                        .queued = state->queued,
+                        .done = state->done,
+                        .copied = state->copied,
+                        .eagerRecv = state->eagerRecv};
   op.channelState = std::move(state);
   return fence;
 }
 
-void CopyEngineChannel::pushEagerly(Op& send, CopyEngineOp& state, const std::string& peerKey) {
-  std::lock_guard<std::mutex> lock(eagerMutex_);
-  const auto known = eagerRemotes_.find(peerKey);
-  if (known == eagerRemotes_.end()) return;  // its first clear-to-send has not come yet
-  RemoteStagingRing& ring = *known->second.ring;
-  cuda::RemoteFlagSegment& words = *known->second.words;
-  const uint64_t bytes = send.request.buffer.bytes;
-  if (bytes > ring.slotBytes()) return;
-  const std::optional<StagedSlot> slot = ring.nextFree(words);
-  if (!slot) return;  // the receiver has not copied the slot out yet: a rendezvous
-  const int device = send.request.buffer.device;
-  cuda::ContextGuard context(device);
-  const CUstream stream = eagerStream(device, ring.device());
-  // `produced` was just recorded; the slot is empty. No wait for anything of the receiver's.
-  state.produced->waitOn(stream);
-  cuda::check(cuda::driver().cuMemcpyAsync(ring.slotAddress(*slot, device),
-                                           reinterpret_cast<CUdeviceptr>(send.request.buffer.data),
-                                           bytes, stream),
-              "cuMemcpyAsync (to an eager slot)");
-  state.copied->record(stream);
-  const cuda::Flag full = ring.full(*slot);
-  cuda::writeWord(stream, words.cudaAddress(full.index), full.value,
-                  "cuStreamWriteValue32 (eager slot full)");
-  ring.take(*slot);
-  state.eager = slot;
-  state.eagerDevice = ring.device();
-  flags_.set(state.queued);
-  eagerSends_.fetch_add(1, std::memory_order_relaxed);
-}
-
-CUstream CopyEngineChannel::eagerStream(int localDevice, int peerDevice) {
-  auto& stream = eagerStreams_[{localDevice, peerDevice}];
-  if (!stream) {
-    stream = std::make_unique<cuda::Stream>(localDevice, cuda::Stream::OnDestroy::kRelease);
-    log(LogLevel::kInfo, "eager stream for cuda:", localDevice, " -> peer cuda:", peerDevice);
-  }
-  return stream->handle();
+LaneKey CopyEngineChannel::laneOf(const Op& op, const std::string& peerKey) {
+  return LaneKey{peerKey, op.groupId, op.request.tag};
 }
 
 bool CopyEngineChannel::fenceQueued(const CudaFence& fence) {
-  return flags_.isSet(fence.queued);
+  if (flags_.isSet(fence.queued)) return true;
+  // A recv whose message the lane shows to be eager queues its own copy out (waitOnStream).
+  return fence.eagerRecv && lanes_.claimable(*fence.eagerRecv);
 }
 
 void CopyEngineChannel::waitOnStream(void* stream, int device, const CudaFence& fence) {
+  if (fence.eagerRecv) {
+    if (lanes_.queueCopiesOut(*fence.eagerRecv, static_cast<CUstream>(stream))) return;
+    // The progress thread took it meanwhile, at the match or the op's end, and sets `queued`
+    // as it is done.
+    while (!flags_.isSet(fence.queued)) std::this_thread::yield();
+  }
   if (fence.copied) {
     fence.copied->waitOn(static_cast<CUstream>(stream));
     return;
@@ -101,8 +90,12 @@ void CopyEngineChannel::ended(Op& op, const Status& status) {
   // No copy will signal a failed op or an empty one: no user stream stays parked (a send's
   // `copied`, never recorded then, holds no wait). After the callback, so a caller that sees
   // `queued` also sees the error.
-  if (status.ok() && op.request.desc.bytes != 0) return;
   const CopyEngineOp& state = copyEngineOp(op);
+  // No wait() may claim a copy out now; one that did must not wait for a slot never filled.
+  if (state.eagerRecv && !state.eagerRecv->claimBy(EagerRecv::kByProgress) && !status.ok()) {
+    releaseEagerRecv(*state.eagerRecv);
+  }
+  if (status.ok() && op.request.desc.bytes != 0) return;
   flags_.set(state.queued);
   if (!op.isSend()) flags_.set(state.done);
 }

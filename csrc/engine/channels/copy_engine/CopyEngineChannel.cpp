@@ -30,13 +30,22 @@ struct StagedNotice {
   uint32_t unused;
 };
 
-// An eager send's announcement data: which slot of the receiver's eager ring holds it.
+// An eager send's announcement data: which slot of its lane's ring holds it.
 struct EagerNotice {
   int32_t ringDevice;
   uint32_t slot;
   uint32_t use;
   uint32_t unused;
 };
+
+EagerSlot readEagerNotice(const std::string& data, const Peer& source) {
+  EagerNotice notice{};
+  if (data.size() != sizeof(notice)) {
+    fail("malformed eager announcement (", data.size(), " B) from ", source.describe());
+  }
+  std::memcpy(&notice, data.data(), sizeof(notice));
+  return EagerSlot{StagedSlot{notice.slot, notice.use}, notice.ringDevice};
+}
 
 }  // namespace
 
@@ -49,10 +58,10 @@ CopyEngineChannel::CopyEngineChannel(CudaOps& cudaOps, const ProgressThread& thr
       flags_(cudaOps.flags()),
       ipc_(ipcCacheSize),
       stagingBytes_(stagingBytes),
-      eagerBytes_(eagerBytes),
       onDone_(std::move(onDone)),
       notify_(std::move(notify)),
-      release_(std::move(release)) {}
+      release_(std::move(release)),
+      lanes_(cudaOps.flags(), eagerBytes) {}
 
 bool CopyEngineChannel::reaches(const Peer& peer) const { return peer.sameHost; }
 
@@ -73,19 +82,6 @@ std::shared_ptr<StagingRing> CopyEngineChannel::ringFor(const Peer& source, int 
   return it->second;
 }
 
-std::shared_ptr<StagingRing> CopyEngineChannel::eagerRingFor(const Peer& source, int device) {
-  auto [it, created] = eagerRings_.try_emplace(source.address.processKey);
-  if (created) {
-    try {
-      it->second = std::make_shared<StagingRing>(flags_, device, eagerBytes_, kEagerSlots);
-    } catch (const Error& error) {
-      log(LogLevel::kInfo, "no eager ring on cuda:", device, " for sends from ",
-          source.describe(), " (", error.what(), "): they wait for this process's recvs");
-    }
-  }
-  return it->second;
-}
-
 cuda::RemoteFlagSegment& CopyEngineChannel::flagsOf(const Peer& peer) {
   auto& flags = peerFlags_[peer.address.processKey];
   if (!flags) flags = std::make_unique<cuda::RemoteFlagSegment>(peer.address.flagSegment);
@@ -95,7 +91,7 @@ cuda::RemoteFlagSegment& CopyEngineChannel::flagsOf(const Peer& peer) {
 std::string CopyEngineChannel::armRecv(const std::shared_ptr<Op>& recv, Peer& source,
                                        const std::string& announced) {
   thread_.check("CopyEngineChannel::armRecv");
-  if (!announced.empty()) return armEager(recv, source, announced);
+  if (!announced.empty()) return armEager(recv, source, readEagerNotice(announced, source));
   const CopyEngineOp& state = copyEngineOp(*recv);
   const Buffer& buffer = recv->request.buffer;
   std::string destination;
@@ -107,8 +103,9 @@ std::string CopyEngineChannel::armRecv(const std::shared_ptr<Op>& recv, Peer& so
   }
   // A send that could have gone eagerly did not: its sender may not know the ring yet.
   std::string eager;
-  if (buffer.bytes <= eagerBytes_) {
-    if (const auto ring = eagerRingFor(source, buffer.device)) ring->appendTo(eager);
+  if (buffer.bytes <= lanes_.slotBytes()) {
+    const auto ring = lanes_.ringFor(laneOf(*recv, source.address.processKey), buffer.device);
+    if (ring) ring->appendTo(eager);
   }
   const ClearanceHeader header{state.ready,
                                state.queued,
@@ -120,22 +117,22 @@ std::string CopyEngineChannel::armRecv(const std::shared_ptr<Op>& recv, Peer& so
                                0};
   ++recv->outstanding;
   moving_.push_back(
-      Transfer{recv, &source, nullptr, std::nullopt, nullptr, nullptr, std::nullopt});
+      Transfer{.op = recv, .peer = &source});
   return toBytes(header) + destination + ring + eager;
 }
 
 std::string CopyEngineChannel::announce(const Op& send) {
   const CopyEngineOp& state = copyEngineOp(send);
   if (!state.eager) return {};
-  return toBytes(EagerNotice{state.eagerDevice, state.eager->slot, state.eager->use, 0});
+  return toBytes(
+      EagerNotice{state.eager->device, state.eager->staged.slot, state.eager->staged.use, 0});
 }
 
 void CopyEngineChannel::prepareSend(const std::shared_ptr<Op>& send, Peer& destination) {
   const CopyEngineOp& state = copyEngineOp(*send);
   if (!state.eager) return;
   // Its copy holds the buffer until `copied`; the op ends once its receiver has also cleared it.
-  Transfer transfer{send, &destination, nullptr, std::nullopt, nullptr, nullptr, state.eager};
-  transfer.eager = true;
+  Transfer transfer{.op = send, .peer = &destination, .slot = state.eager->staged, .eager = true};
   ++send->outstanding;
   moving_.push_back(std::move(transfer));
 }
@@ -151,58 +148,84 @@ void CopyEngineChannel::clearedEager(const std::shared_ptr<Op>& send) {
 }
 
 bool CopyEngineChannel::outlivesWait(const Op& op) const {
-  // Its receiver may still need its slot's bytes, which its process's exit would take away.
-  return op.isSend() && copyEngineOp(op).eager.has_value();
+  // An eager send's receiver may still need the slot's bytes, which its process's exit would
+  // take away; a recv whose wait() queued its copy out ends when the bytes come.
+  const CopyEngineOp& state = copyEngineOp(op);
+  if (op.isSend()) return state.eager.has_value();
+  return state.eagerRecv && state.eagerRecv->claim.load() == EagerRecv::kByCaller;
 }
 
-void CopyEngineChannel::learnEagerRing(Peer& destination,
-                                       std::shared_ptr<RemoteStagingRing> ring) {
-  cuda::RemoteFlagSegment& words = flagsOf(destination);
-  std::lock_guard<std::mutex> lock(eagerMutex_);
-  EagerRemote& known = eagerRemotes_[destination.address.processKey];
-  // The first stays: replacing it could unmap a slot that a queued copy still writes.
-  if (!known.ring) known = EagerRemote{std::move(ring), &words};
+void CopyEngineChannel::announced(Peer& source, const ReadyToSend& rts) {
+  try {
+    readEagerNotice(rts.channelData, source);
+  } catch (const Error& error) {
+    log(LogLevel::kError, error.what());
+    return;
+  }
+  lanes_.announced(LaneKey{source.address.processKey, rts.group, rts.tag}, rts.seq);
 }
 
 std::string CopyEngineChannel::armEager(const std::shared_ptr<Op>& recv, Peer& source,
-                                        const std::string& announced) {
-  EagerNotice notice{};
-  if (announced.size() != sizeof(notice)) {
-    fail("malformed eager announcement for ", recv->describe(), " (", announced.size(), " B)");
+                                        const EagerSlot& eager) {
+  const std::shared_ptr<StagingRing> ring = lanes_.ring(laneOf(*recv, source.address.processKey));
+  if (!ring || ring->device() != eager.device || eager.staged.slot >= ring->slots()) {
+    fail(recv->describe(), " matched an eager send whose slot (cuda:", eager.device, " slot ",
+         eager.staged.slot, ") this process does not have");
   }
-  std::memcpy(&notice, announced.data(), sizeof(notice));
-  const auto known = eagerRings_.find(source.address.processKey);
-  if (known == eagerRings_.end() || !known->second ||
-      known->second->device() != notice.ringDevice || notice.slot >= known->second->slots()) {
-    fail(recv->describe(), " matched an eager send whose slot (cuda:", notice.ringDevice,
-         " slot ", notice.slot, ") this process does not have");
-  }
-  StagingRing& ring = *known->second;
-  const StagedSlot slot{notice.slot, notice.use};
-  {
-    cuda::ContextGuard context(ring.device());
-    enqueueCopyOut(*recv, ring, slot, copyOutStream(ring.device()));
-  }
+  const CopyEngineOp& state = copyEngineOp(*recv);
   ++recv->outstanding;
-  moving_.push_back(Transfer{recv, &source, nullptr, std::nullopt, nullptr, known->second, slot});
   ++eagerRecvs_;
-  flags_.set(copyEngineOp(*recv).queued);
+  if (state.eagerRecv && !state.eagerRecv->claimBy(EagerRecv::kByProgress)) {
+    // Its wait() predicted the slot and queues the copy out on the caller's stream.
+    const EagerSlot predicted = eagerSlotOf(state.eagerRecv->seq, ring->device());
+    moving_.push_back(
+        Transfer{.op = recv, .peer = &source, .callerCopiesOut = state.eagerRecv});
+    if (predicted.staged.slot != eager.staged.slot || predicted.staged.use != eager.staged.use) {
+      fail(recv->describe(), " expected its message in eager slot ", predicted.staged.slot,
+           " use ", predicted.staged.use, " and it came in slot ", eager.staged.slot, " use ",
+           eager.staged.use);
+    }
+    return {};
+  }
+  {
+    cuda::ContextGuard context(ring->device());
+    enqueueCopyOut(*recv, *ring, eager.staged, copyOutStream(ring->device()));
+  }
+  moving_.push_back(Transfer{.op = recv, .peer = &source, .ring = ring, .slot = eager.staged});
+  flags_.set(state.queued);
   return {};
 }
 
-void CopyEngineChannel::discard(Peer& source, const std::string& announced) {
+void CopyEngineChannel::discard(Peer& source, const ReadyToSend& rts, Op* recv) {
   thread_.check("CopyEngineChannel::discard");
-  EagerNotice notice{};
-  const auto known = eagerRings_.find(source.address.processKey);
-  if (announced.size() != sizeof(notice) || known == eagerRings_.end() || !known->second) return;
-  std::memcpy(&notice, announced.data(), sizeof(notice));
-  StagingRing& ring = *known->second;
-  if (notice.slot >= ring.slots()) return;
+  if (recv && recv->channelState && recv->channel == ChannelKind::kCopyEngine) {
+    const auto& eagerRecv = copyEngineOp(*recv).eagerRecv;
+    // Its wait() queued, or ended() releases, the copy out that empties the slot.
+    if (eagerRecv && !eagerRecv->claimBy(EagerRecv::kByProgress)) return;
+  }
   try {
-    cuda::ContextGuard context(ring.device());
-    enqueueEmptying(ring, StagedSlot{notice.slot, notice.use}, copyOutStream(ring.device()));
+    const EagerSlot eager = readEagerNotice(rts.channelData, source);
+    const auto ring = lanes_.ring(LaneKey{source.address.processKey, rts.group, rts.tag});
+    if (!ring || eager.staged.slot >= ring->slots()) return;
+    cuda::ContextGuard context(ring->device());
+    enqueueEmptying(*ring, eager.staged, copyOutStream(ring->device()));
   } catch (const Error& error) {
     log(LogLevel::kError, "an eager slot of ", source.describe(), " is lost: ", error.what());
+  }
+}
+
+void CopyEngineChannel::releaseEagerRecv(EagerRecv& recv) {
+  std::lock_guard<std::mutex> lock(recv.mutex);
+  const EagerSlot eager = eagerSlotOf(recv.seq, recv.ring->device());
+  // The sender may never fill it: the caller's wait for `full` must not park its stream.
+  flags_.set(recv.ring->full(eager.staged));
+  if (recv.queued) return;  // that copy out runs now, into a failed recv, and empties the slot
+  recv.abandoned = true;
+  try {
+    cuda::ContextGuard context(recv.ring->device());
+    enqueueEmptying(*recv.ring, eager.staged, copyOutStream(recv.ring->device()));
+  } catch (const Error& error) {
+    log(LogLevel::kError, "an eager slot is lost: ", error.what());
   }
 }
 
@@ -228,9 +251,11 @@ CopyEngineChannel::Clearance CopyEngineChannel::readClearance(const Op& send, Pe
     if (!known || known->bufferId() != ring->bufferId()) known = std::move(ring);
   }
   if (header.eagerRingBytes != 0) {
-    learnEagerRing(destination,
-                   RemoteStagingRing::read(at + header.destinationBytes + header.ringBytes,
-                                           header.eagerRingBytes));
+    cuda::ContextGuard context(send.request.buffer.device);  // open() registers the words
+    lanes_.open(laneOf(send, destination.address.processKey),
+                RemoteStagingRing::read(at + header.destinationBytes + header.ringBytes,
+                                        header.eagerRingBytes),
+                flagsOf(destination));
   }
   return clearance;
 }
@@ -242,8 +267,9 @@ void CopyEngineChannel::startSend(const std::shared_ptr<Op>& send, Peer& destina
     clearedEager(send);  // its bytes are in the receiver's slot, and the receiver took them
     return;
   }
-  Transfer transfer{send,    &destination, nullptr, readClearance(*send, destination, channelData),
-                    nullptr, nullptr,      std::nullopt};
+  Transfer transfer{.op = send,
+                    .peer = &destination,
+                    .clearance = readClearance(*send, destination, channelData)};
   transfer.peerFlags = &flagsOf(destination);
   const uint64_t bytes = send->request.buffer.bytes;
   if (stageable(bytes)) {
@@ -494,6 +520,7 @@ bool CopyEngineChannel::finishMove(Transfer& transfer) {
     onDone_(transfer.op, Status::success());
     return true;
   }
+  if (transfer.callerCopiesOut) return finishCallersCopyOut(transfer);
   // A recv also waits for `queued`: the sender's CPU writes it, and nothing may write the
   // word once it is handed to another op.
   const cuda::Flag& done = state.done;
@@ -507,6 +534,18 @@ bool CopyEngineChannel::finishMove(Transfer& transfer) {
     onDone_(transfer.op, Status::failure(StatusCode::kAborted,
                                          concat(op.describe(), " failed: the sender gave up")));
   }
+  return true;
+}
+
+bool CopyEngineChannel::finishCallersCopyOut(Transfer& transfer) {
+  EagerRecv& recv = *transfer.callerCopiesOut;
+  {
+    std::lock_guard<std::mutex> lock(recv.mutex);
+    // Abandoned: the op failed before its wait() queued the copy out, which never will.
+    if (!recv.abandoned && !(recv.queued && recv.copied->reached())) return false;
+  }
+  --transfer.op->outstanding;
+  onDone_(transfer.op, Status::success());  // a failed op stays failed
   return true;
 }
 
@@ -538,7 +577,7 @@ void CopyEngineChannel::partnerGaveUp(Op& op) {
   for (auto it = moving_.begin(); it != moving_.end(); ++it) {
     if (it->op.get() == &op) {
       // A submitted copy out of a slot still writes the buffer: it ends as it finishes.
-      if (!it->slot) {
+      if (!it->slot && !it->callerCopiesOut) {
         abandon(it, Status::failure(StatusCode::kAborted,
                                     concat(op.describe(), " failed: the sender gave up")));
       }
@@ -580,7 +619,7 @@ void CopyEngineChannel::peerFailed(Peer& peer) {
     } else if (it->op->isSend()) {
       if (!it->slot) releaseReadiness(*it);  // our copy into its (still mapped) memory finishes
       ++it;
-    } else if (it->slot) {
+    } else if (it->slot || it->callerCopiesOut) {
       ++it;  // its copy out of the slot runs once the ring's waits are released below
     } else {
       it = abandon(it, gone);  // a dead sender's copy will never come
@@ -598,14 +637,7 @@ void CopyEngineChannel::peerFailed(Peer& peer) {
   for (auto it = remoteRings_.begin(); it != remoteRings_.end();) {
     it = it->first.first == key ? remoteRings_.erase(it) : std::next(it);
   }
-  if (const auto eager = eagerRings_.find(key); eager != eagerRings_.end()) {
-    if (eager->second) eager->second->releaseWaits();
-    eagerRings_.erase(eager);  // recvs still copying out hold it
-  }
-  {
-    std::lock_guard<std::mutex> lock(eagerMutex_);
-    eagerRemotes_.erase(key);
-  }
+  lanes_.dropPeer(key);
   ipc_.dropPeer(key);
 }
 
@@ -660,9 +692,10 @@ void CopyEngineChannel::addStats(std::map<std::string, int64_t>& stats) const {
   stats["staging_rings"] = static_cast<int64_t>(rings_.size());
   stats["staged_sends"] = static_cast<int64_t>(stagedSends_);
   stats["staged_recvs"] = static_cast<int64_t>(stagedRecvs_);
-  stats["eager_rings"] = static_cast<int64_t>(eagerRings_.size());
+  stats["eager_lanes"] = lanes_.lanes();
   stats["eager_sends"] = static_cast<int64_t>(eagerSends_.load(std::memory_order_relaxed));
   stats["eager_recvs"] = static_cast<int64_t>(eagerRecvs_);
+  stats["eager_recvs_queued_by_wait"] = lanes_.queuedByWait();
 }
 
 CUstream CopyEngineChannel::dmaStream(int localDevice, int peerDevice) {

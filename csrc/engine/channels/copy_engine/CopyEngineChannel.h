@@ -7,7 +7,6 @@
 #include <atomic>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <utility>
@@ -17,6 +16,7 @@
 #include "engine/CudaOps.h"
 #include "engine/ProgressThread.h"
 #include "engine/channels/copy_engine/CopyEngineOp.h"
+#include "engine/channels/copy_engine/EagerLanes.h"
 #include "engine/channels/copy_engine/StagingRing.h"
 #include "engine/cuda/FlagSegment.h"
 #include "engine/cuda/IpcCache.h"
@@ -43,14 +43,12 @@ namespace smfree::engine {
 // waits for its `ready` and the slot's `full`, copies the slot out into the buffer, writes
 // `done` and empties the slot. The same rule holds: both waits are for submitted work.
 //
-// Eager sends: a send of up to SMFREE_EAGER_BYTES is copied, at its post and on the caller's
-// thread, into a slot of its receiver's eager ring (a StagingRing of kEagerSlots slots, one
-// per sending process, exported with the first clear-to-send of such a size) if the receiver
-// has emptied that slot; its `queued` is set at once, so its wait() returns at once. Its
-// announcement names the slot; the receiver's progress thread, at the match, queues the copy
-// out (wait for `ready` and the slot's `full`, copy, write `done` and `emptied`) and sets the
-// recv's `queued`. Both waits are again for submitted work, so a recv's wait() holds the CPU
-// only until its sender has posted. A send without a free slot goes by rendezvous.
+// Eager lanes (EagerLanes.h): a send of up to SMFREE_EAGER_BYTES on a lane its receiver has
+// opened is copied at its post, on the caller's thread, into the lane's slot for its number;
+// its `queued` is set at once, so its wait() returns at once. A recv's wait() that can tell
+// from the lane that its message is eager queues the copy out itself, on its stream, without
+// waiting for the sender. Otherwise the progress thread queues it at the match (wait for
+// `ready` and the slot's `full`, copy, write `done` and `emptied`), as for a staged send.
 class CopyEngineChannel final : public Channel {
  public:
   // Sends a ChannelNotice's data to a peer.
@@ -73,9 +71,10 @@ class CopyEngineChannel final : public Channel {
   bool callsCudaOnProgressThread(const Op& op) const override { return true; }
   std::string announce(const Op& send) override;
   void prepareSend(const std::shared_ptr<Op>& send, Peer& destination) override;
+  void announced(Peer& source, const ReadyToSend& rts) override;
   std::string armRecv(const std::shared_ptr<Op>& recv, Peer& source,
                       const std::string& announced) override;
-  void discard(Peer& source, const std::string& announced) override;
+  void discard(Peer& source, const ReadyToSend& rts, Op* recv) override;
   bool outlivesWait(const Op& op) const override;
   void startSend(const std::shared_ptr<Op>& send, Peer& destination,
                  const std::string& channelData) override;
@@ -117,19 +116,16 @@ class CopyEngineChannel final : public Channel {
   };
   struct Transfer {
     std::shared_ptr<Op> op;
-    Peer* peer;
-    cuda::RemoteFlagSegment* peerFlags;        // sends: the receiver's flag segment
+    Peer* peer = nullptr;
+    cuda::RemoteFlagSegment* peerFlags = nullptr;  // sends: the receiver's flag segment
     std::optional<Clearance> clearance;        // sends
     std::shared_ptr<RemoteStagingRing> remote; // sends that may be or were staged
     std::shared_ptr<StagingRing> ring;         // recvs whose copy-out is submitted
     std::optional<StagedSlot> slot;            // staged and eager sends, and those recvs
     bool eager = false;                        // sends: copied at the post
     bool cleared = false;                      // eager sends: the receiver took the slot
-  };
-  // The sender's view of a receiver's eager ring, used on callers' threads.
-  struct EagerRemote {
-    std::shared_ptr<RemoteStagingRing> ring;
-    cuda::RemoteFlagSegment* words = nullptr;  // the receiver's flag segment (peerFlags_)
+    // Recvs whose copy out their caller's wait() queues: moving until that has run.
+    std::shared_ptr<EagerRecv> callerCopiesOut;
   };
   using RingKey = std::pair<std::string, int>;  // (peer's process key, ring's device)
 
@@ -138,16 +134,15 @@ class CopyEngineChannel final : public Channel {
   // The peer's flag segment, mapped on the first send to it.
   cuda::RemoteFlagSegment& flagsOf(const Peer& peer);
   std::shared_ptr<StagingRing> ringFor(const Peer& source, int device);
-  std::shared_ptr<StagingRing> eagerRingFor(const Peer& source, int device);
+  static LaneKey laneOf(const Op& op, const std::string& peerKey);
 
-  // Caller's thread: copies a send into its receiver's eager ring if a slot is free.
-  void pushEagerly(Op& send, CopyEngineOp& state, const std::string& peerKey);
-  CUstream eagerStream(int localDevice, int peerDevice);  // under eagerMutex_
-  void learnEagerRing(Peer& destination, std::shared_ptr<RemoteStagingRing> ring);
-  // Receiver: queues the copy out of the slot an eager send filled.
-  std::string armEager(const std::shared_ptr<Op>& recv, Peer& source,
-                       const std::string& announced);
+  // Receiver: the slot an eager send filled; queues its copy out unless the recv's caller
+  // does.
+  std::string armEager(const std::shared_ptr<Op>& recv, Peer& source, const EagerSlot& eager);
   void clearedEager(const std::shared_ptr<Op>& send);
+  // A recv whose caller claimed its copy out failed: lets that copy run (into a failed recv)
+  // or, where it was not queued, empties the slot.
+  void releaseEagerRecv(EagerRecv& recv);
 
   void submitDirect(Transfer send);
   void submitStaged(Transfer send, const StagedSlot& slot);
@@ -166,6 +161,7 @@ class CopyEngineChannel final : public Channel {
   // drops the buffer.
   std::list<Transfer>::iterator abandon(std::list<Transfer>::iterator it, const Status& status);
   bool finishMove(Transfer& transfer);
+  bool finishCallersCopyOut(Transfer& transfer);
   CUstream dmaStream(int localDevice, int peerDevice);
   CUstream copyOutStream(int device);
 
@@ -175,7 +171,6 @@ class CopyEngineChannel final : public Channel {
   cuda::IpcExporter exporter_;
   cuda::IpcCache ipc_;
   uint64_t stagingBytes_;
-  uint64_t eagerBytes_;
   Done onDone_;
   Notify notify_;
   Release release_;
@@ -183,13 +178,7 @@ class CopyEngineChannel final : public Channel {
   std::map<std::string, std::unique_ptr<cuda::RemoteFlagSegment>> peerFlags_;
   std::map<RingKey, std::shared_ptr<StagingRing>> rings_;  // null: none can be had
   std::map<RingKey, std::shared_ptr<RemoteStagingRing>> remoteRings_;
-  // Receiver: by sending process, on the device of the first recv that could be eager.
-  std::map<std::string, std::shared_ptr<StagingRing>> eagerRings_;  // null: none can be had
-  // Sender: the first eager ring each receiving process sent, and the streams that fill them;
-  // callers' threads post eager sends, so these are under eagerMutex_.
-  std::mutex eagerMutex_;
-  std::map<std::string, EagerRemote> eagerRemotes_;
-  std::map<std::pair<int, int>, std::unique_ptr<cuda::Stream>> eagerStreams_;
+  EagerLanes lanes_;
   std::atomic<uint64_t> eagerSends_{0};
   uint64_t eagerRecvs_ = 0;
   std::list<Transfer> held_;    // cleared sends waiting for a slot or for `ready`

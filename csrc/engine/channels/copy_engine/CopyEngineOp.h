@@ -5,7 +5,7 @@
 #include <optional>
 
 #include "engine/Op.h"
-#include "engine/channels/copy_engine/StagingRing.h"
+#include "engine/channels/copy_engine/EagerLanes.h"
 #include "engine/cuda/Event.h"
 #include "engine/cuda/FlagSegment.h"
 
@@ -33,10 +33,10 @@ struct CopyEngineOp final : OpChannelState {
   // Send: recorded on the DMA stream after the copy; user streams wait on it.
   std::shared_ptr<cuda::Event> copied;
 
-  // Eager send: the slot of its receiver's eager ring (on `eagerDevice`) that its copy,
-  // queued at the post, fills.
-  std::optional<StagedSlot> eager;
-  int eagerDevice = -1;
+  // Eager send: the slot of its receiver's lane that its copy, queued at the post, fills.
+  std::optional<EagerSlot> eager;
+  // Recv whose place in its lane is known: its wait() may queue its copy out (EagerLanes.h).
+  std::shared_ptr<EagerRecv> eagerRecv;
 };
 
 inline CopyEngineOp& copyEngineOp(const Op& op) {

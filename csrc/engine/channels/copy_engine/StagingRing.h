@@ -95,6 +95,8 @@ class RemoteStagingRing {
   int device() const { return exported_.device; }
   uint64_t bufferId() const { return exported_.bufferId; }
   uint64_t slotBytes() const { return slotBytes_; }
+  uint32_t slots() const { return static_cast<uint32_t>(words_.size()); }
+  const cuda::Flag& wordOf(uint32_t slot) const { return words_[slot]; }
 
  private:
   uint64_t slotBytes_ = 0;

@@ -37,7 +37,7 @@ CudaFence UcxChannel::prepare(Op& op, const PostOptions& options) {
     cudaOps_.retire();
     throw;
   }
-  CudaFence fence{ChannelKind::kUcx, state->queued, {}, state->copied, nullptr};
+  CudaFence fence{.channel = ChannelKind::kUcx, .queued = state->queued, .copied = state->copied};
   if (!op.isSend()) fence.stagedRecv = state->staging;
   op.channelState = std::move(state);
   return fence;
