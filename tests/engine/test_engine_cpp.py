@@ -11,7 +11,10 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 SOURCES = ["Matcher.cpp", "Wire.cpp", "TensorDesc.cpp", "Op.cpp", "Log.cpp", "Config.cpp",
-           "cuda/FlagSegment.cpp", "cuda/CudaDriver.cpp", "cuda/IpcExport.cpp"]
+           "cuda/FlagSegment.cpp", "cuda/CudaDriver.cpp", "cuda/IpcExport.cpp",
+           "cuda/IpcCache.cpp", "cuda/DeviceMemory.cpp", "cuda/Event.cpp", "cuda/Stream.cpp",
+           "cuda/StreamMemoryOps.cpp", "channels/copy_engine/StagingRing.cpp",
+           "channels/copy_engine/EagerLanes.cpp"]
 
 
 def cuda_include():
