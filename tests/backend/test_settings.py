@@ -47,14 +47,14 @@ def test_spinning_where_each_polling_thread_has_a_cpu_or_the_user_chose(env):
 
 
 @pytest.mark.parametrize("name", ["SMFREE_HOST_STAGING_PIECE_BYTES", "SMFREE_STAGING_BYTES",
-                                  "SMFREE_SPIN_US"])
+                                  "SMFREE_EAGER_BYTES", "SMFREE_SPIN_US"])
 @pytest.mark.parametrize("value", ["4M", "-1"])
 def test_a_size_that_is_not_a_count_of_bytes_is_refused_by_name(name, value):
     result = refused(**{name: value})
     assert f"{name}='{value}' is not a non-negative integer" in result.stderr, result.stderr
 
 
-@pytest.mark.parametrize("value", ["0", "4033"])
+@pytest.mark.parametrize("value", ["0", "3841"])
 def test_cuda_ops_in_flight_outside_their_range_are_refused(value):
     result = refused(SMFREE_MAX_CUDA_OPS=value)
     assert "SMFREE_MAX_CUDA_OPS must be between 1 and 3840" in result.stderr, result.stderr

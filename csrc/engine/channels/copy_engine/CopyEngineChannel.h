@@ -138,7 +138,8 @@ class CopyEngineChannel final : public Channel {
 
   // Receiver: the slot an eager send filled; queues its copy out unless the recv's caller
   // does.
-  std::string armEager(const std::shared_ptr<Op>& recv, Peer& source, const EagerSlot& eager);
+  std::string armEager(const std::shared_ptr<Op>& recv, Peer& source,
+                       const std::string& announced);
   void clearedEager(const std::shared_ptr<Op>& send);
   // A recv whose caller claimed its copy out failed: lets that copy run (into a failed recv)
   // or, where it was not queued, empties the slot.

@@ -1,0 +1,157 @@
+// The copy engines' eager lanes (EagerLanes.h), as the progress thread sees them: a sender's
+// announcement of its slot, a receiver's copy out at the match or its wait()'s, and what an
+// eager op's failure gives back.
+#include <cstring>
+#include <string>
+
+#include "engine/Error.h"
+#include "engine/Log.h"
+#include "engine/Peer.h"
+#include "engine/channels/copy_engine/CopyEngineChannel.h"
+#include "engine/cuda/CudaDriver.h"
+
+namespace smfree::engine {
+namespace {
+
+// An eager send's announcement data: which slot of its lane's ring holds it.
+struct EagerNotice {
+  int32_t ringDevice;
+  uint32_t slot;
+  uint32_t use;
+  uint32_t unused;
+};
+
+EagerSlot readEagerNotice(const std::string& data, const Peer& source) {
+  EagerNotice notice{};
+  if (data.size() != sizeof(notice)) {
+    fail("malformed eager announcement (", data.size(), " B) from ", source.describe());
+  }
+  std::memcpy(&notice, data.data(), sizeof(notice));
+  return EagerSlot{StagedSlot{notice.slot, notice.use}, notice.ringDevice};
+}
+
+}  // namespace
+
+std::string CopyEngineChannel::announce(const Op& send) {
+  const CopyEngineOp& state = copyEngineOp(send);
+  if (!state.eager) return {};
+  const EagerNotice notice{state.eager->device, state.eager->staged.slot,
+                           state.eager->staged.use, 0};
+  return std::string(reinterpret_cast<const char*>(&notice), sizeof(notice));
+}
+
+void CopyEngineChannel::prepareSend(const std::shared_ptr<Op>& send, Peer& destination) {
+  const CopyEngineOp& state = copyEngineOp(*send);
+  if (!state.eager) return;
+  // Its copy holds the buffer until `copied`; the op ends once its receiver has also cleared it.
+  Transfer transfer{.op = send, .peer = &destination, .slot = state.eager->staged, .eager = true};
+  ++send->outstanding;
+  moving_.push_back(std::move(transfer));
+}
+
+void CopyEngineChannel::clearedEager(const std::shared_ptr<Op>& send) {
+  for (Transfer& transfer : moving_) {
+    if (transfer.op == send) {
+      transfer.cleared = true;  // it ends once its copy has run (finishMove)
+      return;
+    }
+  }
+  onDone_(send, Status::success());
+}
+
+bool CopyEngineChannel::outlivesWait(const Op& op) const {
+  // An eager send's receiver may still need the slot's bytes, which its process's exit would
+  // take away; a recv whose wait() queued its copy out ends when the bytes come.
+  const CopyEngineOp& state = copyEngineOp(op);
+  if (op.isSend()) return state.eager.has_value();
+  return state.eagerRecv && state.eagerRecv->claim.load() == EagerRecv::kByCaller;
+}
+
+void CopyEngineChannel::announced(Peer& source, const ReadyToSend& rts) {
+  try {
+    readEagerNotice(rts.channelData, source);
+  } catch (const Error& error) {
+    log(LogLevel::kError, error.what());
+    return;
+  }
+  lanes_.announced(LaneKey{source.address.processKey, rts.group, rts.tag}, rts.seq);
+}
+
+std::string CopyEngineChannel::armEager(const std::shared_ptr<Op>& recv, Peer& source,
+                                        const std::string& announced) {
+  const EagerSlot eager = readEagerNotice(announced, source);
+  const std::shared_ptr<StagingRing> ring = lanes_.ring(laneOf(*recv, source.address.processKey));
+  if (!ring || ring->device() != eager.device || eager.staged.slot >= ring->slots()) {
+    fail(recv->describe(), " matched an eager send whose slot (cuda:", eager.device, " slot ",
+         eager.staged.slot, ") this process does not have");
+  }
+  const CopyEngineOp& state = copyEngineOp(*recv);
+  ++recv->outstanding;
+  ++eagerRecvs_;
+  if (state.eagerRecv && !state.eagerRecv->claimBy(EagerRecv::kByProgress)) {
+    // Its wait() predicted the slot and queues the copy out on the caller's stream.
+    const EagerSlot predicted = eagerSlotOf(state.eagerRecv->seq, ring->device());
+    moving_.push_back(
+        Transfer{.op = recv, .peer = &source, .callerCopiesOut = state.eagerRecv});
+    if (predicted.staged.slot != eager.staged.slot || predicted.staged.use != eager.staged.use) {
+      fail(recv->describe(), " expected its message in eager slot ", predicted.staged.slot,
+           " use ", predicted.staged.use, " and it came in slot ", eager.staged.slot, " use ",
+           eager.staged.use);
+    }
+    return {};
+  }
+  {
+    cuda::ContextGuard context(ring->device());
+    enqueueCopyOut(*recv, *ring, eager.staged, copyOutStream(ring->device()));
+  }
+  moving_.push_back(Transfer{.op = recv, .peer = &source, .ring = ring, .slot = eager.staged});
+  flags_.set(state.queued);
+  return {};
+}
+
+void CopyEngineChannel::discard(Peer& source, const ReadyToSend& rts, Op* recv) {
+  thread_.check("CopyEngineChannel::discard");
+  if (recv && recv->channelState && recv->channel == ChannelKind::kCopyEngine) {
+    const auto& eagerRecv = copyEngineOp(*recv).eagerRecv;
+    // Its wait() queued, or ended() releases, the copy out that empties the slot.
+    if (eagerRecv && !eagerRecv->claimBy(EagerRecv::kByProgress)) return;
+  }
+  try {
+    const EagerSlot eager = readEagerNotice(rts.channelData, source);
+    const auto ring = lanes_.ring(LaneKey{source.address.processKey, rts.group, rts.tag});
+    if (!ring || eager.staged.slot >= ring->slots()) return;
+    cuda::ContextGuard context(ring->device());
+    enqueueEmptying(*ring, eager.staged, copyOutStream(ring->device()));
+  } catch (const Error& error) {
+    log(LogLevel::kError, "an eager slot of ", source.describe(), " is lost: ", error.what());
+  }
+}
+
+void CopyEngineChannel::releaseEagerRecv(EagerRecv& recv) {
+  std::lock_guard<std::mutex> lock(recv.mutex);
+  const EagerSlot eager = eagerSlotOf(recv.seq, recv.ring->device());
+  // The sender may never fill it: the caller's wait for `full` must not park its stream.
+  flags_.set(recv.ring->full(eager.staged));
+  if (recv.queued) return;  // that copy out runs now, into a failed recv, and empties the slot
+  recv.abandoned = true;
+  try {
+    cuda::ContextGuard context(recv.ring->device());
+    enqueueEmptying(*recv.ring, eager.staged, copyOutStream(recv.ring->device()));
+  } catch (const Error& error) {
+    log(LogLevel::kError, "an eager slot is lost: ", error.what());
+  }
+}
+
+bool CopyEngineChannel::finishCallersCopyOut(Transfer& transfer) {
+  EagerRecv& recv = *transfer.callerCopiesOut;
+  {
+    std::lock_guard<std::mutex> lock(recv.mutex);
+    // Abandoned: the op failed before its wait() queued the copy out, which never will.
+    if (!recv.abandoned && !(recv.queued && recv.copied->reached())) return false;
+  }
+  --transfer.op->outstanding;
+  onDone_(transfer.op, Status::success());  // a failed op stays failed
+  return true;
+}
+
+}  // namespace smfree::engine
