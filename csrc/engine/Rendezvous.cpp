@@ -205,7 +205,7 @@ void Rendezvous::startOp(const std::shared_ptr<Op>& op) {
   GroupState* group = findGroup(op->groupId);
   if (const auto refusal = refusalAtStart(*op, group)) {
     transition(op, OpState::kEnded, *refusal);
-    if (op->isSend()) keepPlace(*op, group, refusal->message);
+    keepPlace(op, group, refusal->message);
     return;
   }
   live_.emplace(op->id, op);
@@ -298,11 +298,12 @@ void Rendezvous::onMatched(GroupState& group, Matcher::Match& match) {
     return;
   }
   if (recv->finished()) {
-    // The recv timed out earlier but kept its place in line: refuse the send it was meant for.
+    // The recv failed earlier (timed out, or refused at its start) but kept its place in
+    // line: refuse the send it was meant for.
     discardAnnounced(group, rts, recv.get());
     peers_.send(*sender, Refusal{group.id, group.config->rank, rts.sendId, StatusCode::kTimeout,
                                  concat("the matching ", recv->describe(),
-                                        " had already timed out")});
+                                        " had already failed")});
     return;
   }
   recv->source = rts.source;
@@ -507,16 +508,23 @@ void Rendezvous::discardAnnounced(GroupState& group, const ReadyToSend& rts, Op*
   }
 }
 
-void Rendezvous::keepPlace(const Op& send, GroupState* group, const std::string& why) {
-  // The send was numbered in its line at its post: a receiver that can still be told must
-  // skip that number, or every later message of the line would wait for it.
-  if (!group || group->closed) return;
-  Peer* peer = group->peers[send.request.peer];
+void Rendezvous::keepPlace(const std::shared_ptr<Op>& op, GroupState* group,
+                           const std::string& why) {
+  // The op was numbered in its line at its post. Where the partner can still be told, it keeps
+  // that place, as one that timed out does, so later messages of the line are not shifted: a
+  // send is announced and cancelled; a recv waits in the matcher, already failed, and refuses
+  // the send it meets.
+  if (!group || group->closed || op->request.peer == kAnySource) return;
+  Peer* peer = group->peers[op->request.peer];
   if (!peer || peer->failed) return;
-  peers_.send(*peer, ReadyToSend{send.groupId, group->config->rank, send.request.tag, send.seq,
-                                 send.id, send.request.desc, send.channel, false, {}});
-  peers_.send(*peer, Cancellation{send.groupId, group->config->rank, send.request.tag, send.seq,
-                                  0, why});
+  if (op->isSend()) {
+    peers_.send(*peer, ReadyToSend{op->groupId, group->config->rank, op->request.tag, op->seq,
+                                   op->id, op->request.desc, op->channel, false, {}});
+    peers_.send(*peer, Cancellation{op->groupId, group->config->rank, op->request.tag, op->seq,
+                                    0, why});
+  } else if (auto match = group->matcher.postRecv(op)) {
+    onMatched(*group, *match);
+  }
 }
 
 GroupState* Rendezvous::findGroup(uint64_t groupId) {

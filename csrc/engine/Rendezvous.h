@@ -85,8 +85,8 @@ class Rendezvous {
   void onMatched(GroupState& group, Matcher::Match& match);
   // An announcement no recv will arm: its channel gives back what the announcement holds.
   void discardAnnounced(GroupState& group, const ReadyToSend& rts, Op* recv = nullptr);
-  // A send refused at its start keeps its place in its receiver's line (Cancellation).
-  void keepPlace(const Op& send, GroupState* group, const std::string& why);
+  // An op refused at its start keeps its place in its line (see the definition).
+  void keepPlace(const std::shared_ptr<Op>& op, GroupState* group, const std::string& why);
   void expire(const std::shared_ptr<Op>& op, Clock::time_point now);
   std::shared_ptr<Op> findLive(uint64_t opId);
   Peer* partnerOf(const Op& op);
