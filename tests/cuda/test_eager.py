@@ -155,12 +155,17 @@ def _error_of(work):
     return str(raised.value)
 
 
-def _refused_eager_send(rank, world):
+def _lane_shown_eager(rank, numel):
+    """Rank 0's lane to rank 1 opened, and shown eager by one message: the device, the peer and
+    the store."""
     dev = torch.device("cuda", rank)
-    peer = 1 - rank
     for _ in range(2):
-        _warm_up(rank, dev, 4)
-    store = _store()
+        _warm_up(rank, dev, numel)
+    return dev, 1 - rank, _store()
+
+
+def _refused_eager_send(rank, world):
+    dev, peer, store = _lane_shown_eager(rank, 4)
     if rank == 1:
         store.wait(["waited"])
         return _error_of(dist.irecv(torch.empty(8, device=dev), peer))
@@ -185,11 +190,7 @@ def test_receiver_refusal_of_an_eager_send_reaches_the_sender_after_its_wait():
 
 
 def _unclaimed_eager_send(rank, world):
-    dev = torch.device("cuda", rank)
-    peer = 1 - rank
-    for _ in range(2):
-        _warm_up(rank, dev, 4)
-    store = _store()
+    dev, peer, store = _lane_shown_eager(rank, 4)
     if rank == 0:
         work = dist.isend(torch.ones(4, device=dev), peer)
         work.wait()  # returns at once; nobody will receive it in time
