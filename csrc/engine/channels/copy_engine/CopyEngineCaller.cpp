@@ -33,7 +33,9 @@ CudaFence CopyEngineChannel::prepare(Op& op, const PostOptions& options) {
       state->done = flags_.acquire(kDoneSpan);
       state->ready = flags_.acquire();
       cudaOps_.writeFromStream(op, state->ready);
-      if (lanes_.enabled() && options.placeKnown) {
+      // Only a recv that fits a slot can learn its message is eager; others cost nothing here.
+      const uint64_t bytes = op.request.buffer.bytes;
+      if (options.placeKnown && bytes != 0 && bytes <= lanes_.slotBytes()) {
         state->eagerRecv = std::make_shared<EagerRecv>();
         state->eagerRecv->lane = laneOf(op, options.peerKey);
         state->eagerRecv->seq = op.seq;
