@@ -36,7 +36,8 @@ def _stack_file(tmp: str, rank: int) -> str:
     return os.path.join(tmp, f"stacks.{rank}")
 
 
-def _run_rank(fn, rank, world_size, init_file, backend, group_timeout_s, env, args, results):
+def _run_rank(fn, rank, world_size, init_file, backend, group_timeout_s, env, bind_device, args,
+              results):
     # Open as long as the rank lives: faulthandler writes to it from its signal handler.
     stacks = open(_stack_file(os.path.dirname(init_file), rank), "w")  # noqa: SIM115
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
@@ -56,6 +57,8 @@ def _run_rank(fn, rank, world_size, init_file, backend, group_timeout_s, env, ar
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=group_timeout_s),
+            # Binds the default group to the rank's GPU, which makes NCCL split new groups.
+            device_id=torch.device("cuda", rank) if bind_device else None,
         )
         value = fn(rank, world_size, *args)
         results.put(RankResult(rank, value=value))
@@ -79,12 +82,14 @@ def run_ranks(
     cuda: bool = False,
     env: dict | None = None,
     rank_env: dict[int, dict] | None = None,
+    bind_device: bool = False,
 ) -> list:
     """Values returned by `fn` on each rank, in rank order.
 
     Ranks listed in `expect_exit` may end without a result (they kill themselves). With
     `cuda`, rank r uses cuda:r. `env` is added to each rank's environment, then
-    `rank_env[r]` to rank r's.
+    `rank_env[r]` to rank r's. `bind_device` passes rank r's GPU as the default group's
+    device_id.
     """
     env = dict(env or {})
     if cuda:
@@ -97,7 +102,7 @@ def run_ranks(
             ctx.Process(
                 target=_run_rank,
                 args=(fn, rank, world_size, init_file, backend, group_timeout_s,
-                      {**env, **(rank_env or {}).get(rank, {})}, args, results),
+                      {**env, **(rank_env or {}).get(rank, {})}, bind_device, args, results),
                 daemon=True,
             )
             for rank in range(world_size)

@@ -30,20 +30,61 @@ def autoload() -> None:
         register()
 
 
+def _nccl(store, rank: int, size: int, timeout, group_name: str, global_ranks, split=None):
+    if not dist.is_nccl_available():
+        raise RuntimeError("smfree: CUDA collectives need NCCL, which this torch lacks")
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    options.group_name = group_name
+    options.global_ranks_in_group = list(global_ranks)
+    if split is not None:
+        options.split_from = split.source
+        # Any color the members share: the ranks outside the group split with NOCOLOR.
+        options.split_color = hash(tuple(global_ranks)) % (1 << 31)
+    return dist.ProcessGroupNCCL(PrefixStore("smfree/nccl/", store), rank, size, options)
+
+
+class _Split:
+    """The default group's NCCL communicator, where torch splits every new group from it.
+
+    With the default group on NCCL and bound to a GPU (init_process_group(device_id=...)), torch
+    makes each rank *outside* a new group join an ncclCommSplit of the default communicator as
+    the group is made. Its members must split at the same point, or the default communicator's
+    ranks fall out of step and the next NCCL group hangs or crashes; so a smfree subgroup makes
+    its NCCL communicator at once, split from the default one, as an NCCL group's members do.
+    """
+
+    def __init__(self, source, device) -> None:
+        self.source, self.device = source, device
+
+    @staticmethod
+    def of_new_group(global_ranks) -> "_Split | None":
+        if not dist.is_initialized() or not global_ranks:
+            return None  # this is the default group
+        c10d = dist.distributed_c10d
+        default = c10d._get_default_group()
+        if len(global_ranks) == default.size() or default.bound_device_id is None:
+            return None  # no rank is left out, or torch splits nothing
+        source = c10d._get_split_source(default)
+        return _Split(source, default.bound_device_id) if source is not None else None
+
+
 def _inner_factory(store, rank: int, size: int, timeout, group_name: str, global_ranks):
-    """Builds the collective backend for a device type when a group first needs it."""
+    """Builds the collective backend for a device type when a group first needs it (the CUDA
+    one at once where the group must take part in a split: _Split)."""
+    split = _Split.of_new_group(global_ranks)
+    made = {}
+    if split is not None:
+        made["cuda"] = _nccl(store, rank, size, timeout, group_name, global_ranks, split)
+        made["cuda"].eager_connect_single_device(split.device)
 
     def create(device_type: str):
+        if device_type in made:
+            return made[device_type]
         if device_type == "cpu":
             return dist.ProcessGroupGloo(PrefixStore("smfree/gloo/", store), rank, size, timeout)
         if device_type == "cuda":
-            if not dist.is_nccl_available():
-                raise RuntimeError("smfree: CUDA collectives need NCCL, which this torch lacks")
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = timeout
-            options.group_name = group_name
-            options.global_ranks_in_group = list(global_ranks)
-            return dist.ProcessGroupNCCL(PrefixStore("smfree/nccl/", store), rank, size, options)
+            return _nccl(store, rank, size, timeout, group_name, global_ranks)
         raise ValueError(f"smfree: no collective backend for device type {device_type!r}")
 
     return create

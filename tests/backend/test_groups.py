@@ -5,6 +5,7 @@ import subprocess
 import sys
 import threading
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -59,6 +60,38 @@ def test_smfree_pipeline_group_under_a_gloo_default_group():
     world = 3
     results = run_ranks(_pipeline_groups_only, world, backend="gloo")
     assert results == [(float((r - 1) % world), float(world)) for r in range(world)]
+
+
+def _subgroups_under_a_bound_nccl_default(rank, world):
+    # A smfree group and then an NCCL group over ranks 0 and 1, as a pipeline bench makes them:
+    # with the default group bound to a GPU, torch makes rank 2 split the default communicator
+    # at each, so the members' NCCL communicators must be split from it at the same points.
+    dev = torch.device("cuda", rank)
+    pp = dist.new_group([0, 1], backend="smfree")
+    reference = dist.new_group([0, 1], backend="nccl")
+    everyone = torch.ones(1, device=dev)
+    dist.all_reduce(everyone)  # the default communicator, still in step on every rank
+    if rank == 2:
+        return everyone.item(), None, None, None
+    got = torch.empty(16, device=dev)
+    ops = [dist.P2POp(dist.isend, torch.full((16,), float(rank), device=dev), 1 - rank, pp),
+           dist.P2POp(dist.irecv, got, 1 - rank, pp)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    sums = [torch.ones(1, device=dev) for _ in range(2)]
+    dist.all_reduce(sums[0], group=pp)  # smfree's own NCCL communicator, the split one
+    dist.all_reduce(sums[1], group=reference)
+    torch.cuda.synchronize(dev)
+    return everyone.item(), got[0].item(), sums[0].item(), sums[1].item()
+
+
+@pytest.mark.gpu
+def test_subgroups_under_an_nccl_default_group_bound_to_a_gpu():
+    if torch.cuda.device_count() < 3:
+        pytest.skip("needs 3 GPUs: one rank outside the subgroups")
+    results = run_ranks(_subgroups_under_a_bound_nccl_default, 3, backend="nccl", cuda=True,
+                        bind_device=True, timeout=120)
+    assert results == [(3.0, 1.0, 2.0, 2.0), (3.0, 0.0, 2.0, 2.0), (3.0, None, None, None)]
 
 
 def _many_threads_many_groups(rank, world, threads, rounds):
