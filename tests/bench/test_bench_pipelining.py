@@ -59,15 +59,16 @@ def test_compare_tells_identical_from_close():
         compare([1.0], [1.0, 2.0])
 
 
-def rank_samples(steps, waits, losses, gradients):
+def rank_samples(steps, waits, losses, gradients, posts=(5e-6,)):
     return {"step_s": steps, "wait_step_s": [sum(waits)] * len(steps),
-            "waits": {"recv": waits}, "losses": losses, "gradients": gradients}
+            "post_step_s": [sum(posts)] * len(steps), "waits": {"recv": waits},
+            "posts": {"send": list(posts)}, "losses": losses, "gradients": gradients}
 
 
 def test_pipelining_row_from_two_ranks():
     # Two rounds of two steps; rank 1 is the slower in every step and holds the losses.
-    smfree = [rank_samples([1.0, 1.0, 1.2, 1.2], [1e-4], None, [0.5]),
-              rank_samples([2.0, 2.0, 2.4, 2.4], [3e-4], [[1.0, 2.0]], [0.25])]
+    smfree = [rank_samples([1.0, 1.0, 1.2, 1.2], [1e-4], None, [0.5], posts=[1e-5, 2e-5]),
+              rank_samples([2.0, 2.0, 2.4, 2.4], [3e-4], [[1.0, 2.0]], [0.25], posts=[4e-5])]
     gloo = [rank_samples([4.0, 4.0, 4.8, 4.8], [1e-5], None, [0.5]),
             rank_samples([4.0, 4.0, 4.8, 4.8], [1e-5], [[1.0, 2.5]], [0.25])]
     per_rank = [{"smfree": s, "gloo": g} for s, g in zip(smfree, gloo)]
@@ -77,6 +78,11 @@ def test_pipelining_row_from_two_ranks():
     assert row["ratio"] == pytest.approx(0.5)
     assert row["smfree"]["wait_us"]["recv"]["median_us"] == pytest.approx(200.0)
     assert row["smfree"]["wait_us"]["all"]["per_step"] == pytest.approx(2 / 8)
+    # Posts are kept apart from waits: 1, 2 and 4 (x 10 µs) over 8 rank-steps.
+    assert row["smfree"]["post_us"]["send"]["median_us"] == pytest.approx(20.0)
+    assert row["smfree"]["post_us"]["all"]["per_step"] == pytest.approx(3 / 8)
+    assert row["smfree"]["post_ms_per_step"]["median"] == pytest.approx(0.04)
+    assert "recv" not in row["smfree"]["post_us"]
     assert row["losses"]["identical"] is False
     assert row["losses"]["max_abs_diff"] == pytest.approx(0.5)
     assert row["gradients"]["identical"] is True
@@ -107,6 +113,9 @@ def test_cpu_run_covers_every_schedule_and_backend(tmp_path):
             assert row[backend]["step_ms"]["n"] == 2
             assert row[backend]["step_ms"]["min"] > 0
             assert row[backend]["wait_us"]["all"]["waits"] > 0
+            # Every kind of post the schedule made was timed posting and waiting.
+            assert set(row[backend]["post_us"]) == set(row[backend]["wait_us"])
+            assert row[backend]["post_us"]["all"]["waits"] > 0
         assert row["losses"]["identical"], row["losses"]
         assert row["gradients"]["identical"], row["gradients"]
         assert row["paired"]["median"] > 0

@@ -180,13 +180,14 @@ class Pipeline:
             parameter.grad = None
 
 
-def run_step(ctx: Ctx, pipeline: Pipeline | None, clock: WaitClock) -> tuple[float, dict]:
-    """(seconds, {kind: seconds in each wait()}) of one step on this rank; off the pipeline,
-    only the barrier that starts a step."""
+def run_step(ctx: Ctx, pipeline: Pipeline | None, clock: WaitClock
+             ) -> tuple[float, dict, dict]:
+    """(seconds, {kind: seconds in each wait()}, {kind: seconds in each post}) of one step on
+    this rank; off the pipeline, only the barrier that starts a step."""
     synchronize(ctx.device)
     barrier(ctx)
     if pipeline is None:
-        return 0.0, {}
+        return 0.0, {}, {}
     clock.clear()
     clock.recording = True
     start = time.perf_counter()
@@ -195,7 +196,8 @@ def run_step(ctx: Ctx, pipeline: Pipeline | None, clock: WaitClock) -> tuple[flo
     seconds = time.perf_counter() - start
     clock.recording = False
     pipeline.record()
-    return seconds, {kind: list(times) for kind, times in clock.samples.items()}
+    return (seconds, {kind: list(times) for kind, times in clock.samples.items()},
+            {kind: list(times) for kind, times in clock.posts.items()})
 
 
 def subgroups(ctx: Ctx, stages: int) -> dict[str, dist.ProcessGroup | None]:
@@ -216,7 +218,8 @@ def measure(ctx: Ctx, name: str, groups: dict, stages: int, rows: int, clock: Wa
     member = ctx.rank < stages
     pipelines = {backend: Pipeline(name, groups[backend], ctx, stages, rows, args) if member
                  else None for backend in ctx.backends}
-    samples = {backend: {"step_s": [], "wait_step_s": [], "waits": {}}
+    samples = {backend: {"step_s": [], "wait_step_s": [], "post_step_s": [], "waits": {},
+                         "posts": {}}
                for backend in ctx.backends}
     for backend in ctx.backends:
         for _ in range(args.pipelining_warmup):
@@ -224,12 +227,13 @@ def measure(ctx: Ctx, name: str, groups: dict, stages: int, rows: int, clock: Wa
     for round_ in range(args.pipelining_rounds):
         for backend in ctx.backends[::-1] if round_ % 2 else ctx.backends:
             for _ in range(args.pipelining_steps):
-                seconds, waits = run_step(ctx, pipelines[backend], clock)
+                seconds, waits, posts = run_step(ctx, pipelines[backend], clock)
                 kept = samples[backend]
                 kept["step_s"].append(seconds)
-                kept["wait_step_s"].append(sum(sum(times) for times in waits.values()))
-                for kind, times in waits.items():
-                    kept["waits"].setdefault(kind, []).extend(times)
+                for what, times_by_kind in (("wait", waits), ("post", posts)):
+                    kept[f"{what}_step_s"].append(sum(map(sum, times_by_kind.values())))
+                    for kind, times in times_by_kind.items():
+                        kept[f"{what}s"].setdefault(kind, []).extend(times)
     if not member:
         return None
     for backend, pipeline in pipelines.items():
@@ -257,18 +261,18 @@ def summarize(per_rank: list[dict | None], backends: tuple[str, str], steps_per_
     rounds = {}
     for backend in backends:
         steps = slowest([m[backend]["step_s"] for m in members])
-        waits: dict[str, list[float]] = {}
-        for m in members:
-            for kind, times in m[backend]["waits"].items():
-                waits.setdefault(kind, []).extend(times)
-        row[backend] = {
-            "step_ms": scaled(spread(steps), 1e3),
-            "step_ms_all": [1e3 * s for s in steps],
-            "wait_us": summarize_waits({**waits, "all": [t for ts in waits.values() for t in ts]},
-                                       steps=len(steps) * len(members)),
-            "wait_ms_per_step": scaled(spread(slowest([m[backend]["wait_step_s"]
-                                                       for m in members])), 1e3),
-        }
+        row[backend] = {"step_ms": scaled(spread(steps), 1e3),
+                        "step_ms_all": [1e3 * s for s in steps]}
+        for what in ("wait", "post"):
+            by_kind: dict[str, list[float]] = {}
+            for m in members:
+                for kind, times in m[backend][f"{what}s"].items():
+                    by_kind.setdefault(kind, []).extend(times)
+            every = [t for times in by_kind.values() for t in times]
+            row[backend][f"{what}_us"] = summarize_waits({**by_kind, "all": every},
+                                                         steps=len(steps) * len(members))
+            row[backend][f"{what}_ms_per_step"] = scaled(spread(slowest(
+                [m[backend][f"{what}_step_s"] for m in members])), 1e3)
         rounds[backend] = [statistics.median(steps[i:i + steps_per_round])
                            for i in range(0, len(steps), steps_per_round)]
     ours, reference = backends
@@ -327,6 +331,9 @@ def run(ctx: Ctx, args) -> dict:
                        "(send, recv, send+recv: one batch), over every pipeline rank; per_step: "
                        "waits per step and rank",
             "wait_ms_per_step": "ms a step spent inside wait(), the most of any rank",
+            "post_us": "CPU µs posting each of a schedule's P2P ops or batches (isend, irecv, "
+                       "batch_isend_irecv), by kind, as wait_us",
+            "post_ms_per_step": "ms a step spent posting, the most of any rank",
             "losses": "the last stage's losses of every step, smfree against the reference",
             "gradients": "per step and rank, the sum of the gradients and the count of "
                          "parameters without one, smfree against the reference",
@@ -356,7 +363,7 @@ def print_section(section: dict) -> None:
           f"smfree/{ref} [p25-p75]")
     if section["unavailable"]:
         print(f"not in this torch: {', '.join(section['unavailable'])}")
-    rows, waits = [], []
+    rows, waits, posts = [], [], []
     for row in section["rows"]:
         where = [str(row["stages"]), row["schedule"], format_size(row["bytes"])]
         paired = row["paired"]
@@ -367,19 +374,25 @@ def print_section(section: dict) -> None:
         ] + [num(row["ratio"], 3),
              f"{paired['median']:.3f} [{paired['p25']:.3f}-{paired['p75']:.3f}]",
              agreement(row["losses"]), agreement(row["gradients"])])
-        waits.append(where + [
-            cell for b in backends
-            for cell in (*(wait_cell(row[b]["wait_us"].get(kind))
-                           for kind in ("all", "send", "recv", "send+recv")),
-                         num(row[b]["wait_ms_per_step"]["median"], 3))
-        ])
+        for what, table in (("wait", waits), ("post", posts)):
+            table.append(where + [
+                cell for b in backends
+                for cell in (*(wait_cell(row[b][f"{what}_us"].get(kind))
+                               for kind in ("all", "send", "recv", "send+recv")),
+                             num(row[b][f"{what}_ms_per_step"]["median"], 3))
+            ])
     print(format_table(["stages", "schedule", "activation", "smfree ms", "±", f"{ref} ms", "±",
                         f"smfree/{ref}", "paired", "losses", "gradients"], rows))
     print(f"\nCPU time inside wait() per op, median µs (waits per step); ms/step: a step's "
           "time in wait(), the most of any rank")
     print(format_table(["stages", "schedule", "activation"] + [
         f"{TITLES[b]} {what}" for b in backends
-        for what in ("all", "send", "recv", "send+recv", "ms/step")], waits), flush=True)
+        for what in ("all", "send", "recv", "send+recv", "ms/step")], waits))
+    print("\nCPU time posting ops (isend, irecv, a batch), median µs (posts per step); ms/step: "
+          "a step's time posting, the most of any rank")
+    print(format_table(["stages", "schedule", "activation"] + [
+        f"{TITLES[b]} {what}" for b in backends
+        for what in ("all", "send", "recv", "send+recv", "ms/step")], posts), flush=True)
 
 
 def agreement(comparison: dict) -> str:

@@ -1,7 +1,9 @@
 """CPU time inside `Work.wait()`: how long a rank's Python thread is held per P2P op.
 
 NCCL's wait() only queues a stream wait, so it returns at once; a backend whose wait() holds
-the CPU until a peer has posted takes that time from the schedule's next compute launch.
+the CPU until a peer has posted takes that time from the schedule's next compute launch. The
+time to post an op (isend, irecv, a batch) is kept apart: with waits that return at once it is
+what a backend's P2P costs a CPU-bound schedule.
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ from torch.distributed.pipelining import schedules
 
 
 class WaitClock:
-    """Seconds spent inside each wait() while `recording`, by kind of post."""
+    """Seconds spent inside each wait() and each post while `recording`, by kind of post."""
 
     def __init__(self) -> None:
         self.samples: dict[str, list[float]] = defaultdict(list)
+        self.posts: dict[str, list[float]] = defaultdict(list)
         self.recording = False
 
     def wait(self, work, kind: str):
@@ -30,9 +33,17 @@ class WaitClock:
             self.samples[kind].append(time.perf_counter() - start)
         return result
 
+    def post(self, post, kind: str):
+        """post(), timed."""
+        start = time.perf_counter()
+        result = post()
+        if self.recording:
+            self.posts[kind].append(time.perf_counter() - start)
+        return result
+
     def clear(self) -> None:
         self.samples.clear()
-
+        self.posts.clear()
 
 
 def summarize_waits(samples: dict[str, list[float]], steps: int) -> dict:
@@ -77,8 +88,10 @@ def pipelining_waits(clock: WaitClock):
     original = schedules._batch_p2p
 
     def batch_p2p(p2p_ops, desc=None):
-        works = original(p2p_ops, desc)
-        kind = kind_of(p2p_ops) if p2p_ops else ""
+        if not p2p_ops:
+            return original(p2p_ops, desc)
+        kind = kind_of(p2p_ops)
+        works = clock.post(lambda: original(p2p_ops, desc), kind)
         # torch < 2.6 returns one Work per batch (None for none), later ones a list.
         if isinstance(works, list):
             return [TimedWork(work, clock, kind) for work in works]
