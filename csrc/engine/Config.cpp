@@ -1,7 +1,5 @@
 #include "engine/Config.h"
 
-#include <sched.h>
-
 #include <cstdlib>
 #include <string>
 
@@ -51,36 +49,14 @@ size_t parseBetween(const char* name, long fallback, long low, long high) {
   return static_cast<size_t>(value);
 }
 
-// Spinning pays only where each polling thread of the host's ranks has a core to spin on: two
-// per rank, the progress thread and the receive lane's. 4 ranks on 2 cores, each progress
-// thread spinning 10 ms after every event, took up to 10 x Gloo's time per exchange; without
-// spinning, about Gloo's. So did 2 ranks on 2 cores once each rank had two such threads.
-// torchrun says how many ranks share the host.
-void chooseSpin(Config& config) {
-  constexpr long kSpinUs = 10000;
-  if (std::getenv("SMFREE_SPIN_US")) {
-    config.spin = std::chrono::microseconds(parseNonNegative("SMFREE_SPIN_US", kSpinUs));
-    return;
-  }
-  config.spin = std::chrono::microseconds(kSpinUs);
-  // torchrun's variable, not ours: a value that is not a count is ignored.
+// torchrun's variable, not ours: a value that is not a count is ignored.
+std::optional<long> parseLocalRanks() {
   const char* text = std::getenv("LOCAL_WORLD_SIZE");
+  if (!text || !*text) return std::nullopt;
   char* end = nullptr;
-  const long localRanks = text && *text ? std::strtol(text, &end, 10) : 1;
-  if (end && *end != '\0') return;
-  cpu_set_t allowed;
-  CPU_ZERO(&allowed);
-  if (sched_getaffinity(0, sizeof(allowed), &allowed) != 0) return;
-  const int cpus = CPU_COUNT(&allowed);
-  constexpr long kPollingThreadsPerRank = 2;
-  if (localRanks * kPollingThreadsPerRank > cpus) {
-    config.spin = std::chrono::microseconds(0);
-    config.spinNote = concat("SMFREE_SPIN_US unset and ", localRanks,
-                             " ranks on this host (LOCAL_WORLD_SIZE), two polling threads each, "
-                             "share ", cpus,
-                             " CPUs: the engine's threads sleep between events instead of "
-                             "spinning");
-  }
+  const long ranks = std::strtol(text, &end, 10);
+  if (*end != '\0' || ranks < 1) return std::nullopt;
+  return ranks;
 }
 
 }  // namespace
@@ -88,7 +64,10 @@ void chooseSpin(Config& config) {
 Config Config::fromEnv() {
   Config config;
   config.logLevel = parseLogLevel(std::getenv("SMFREE_LOG_LEVEL"));
-  chooseSpin(config);
+  if (const char* spin = std::getenv("SMFREE_SPIN_US"); spin && *spin) {
+    config.spin = std::chrono::microseconds(parseNonNegative("SMFREE_SPIN_US", 0));
+  }
+  config.localRanks = parseLocalRanks();
   config.peerCheck = std::chrono::milliseconds(parseNonNegative("SMFREE_PEER_CHECK_MS", 1000));
   config.linkTimeout =
       std::chrono::milliseconds(parseNonNegative("SMFREE_LINK_TIMEOUT_MS", 10000));

@@ -3,7 +3,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
-#include <string>
+#include <optional>
 
 namespace smfree::engine {
 
@@ -19,11 +19,11 @@ enum class Transport {
 // Every SMFREE_* setting the engine reads, parsed once. The README documents each.
 struct Config {
   LogLevel logLevel;
-  // How long the progress thread polls after its last event before it sleeps, and how long a
-  // CUDA work.wait() polls for the partner's post before it naps.
-  std::chrono::microseconds spin;
-  // Why `spin` is not its usual default, for the engine to log; empty otherwise.
-  std::string spinNote;
+  // SMFREE_SPIN_US, if set: how long the engine's threads poll after their last event before
+  // they sleep. Unset, Spin chooses.
+  std::optional<std::chrono::microseconds> spin;
+  // torchrun's LOCAL_WORLD_SIZE, if set to a count: how many ranks share this host.
+  std::optional<long> localRanks;
   // UCX keepalive interval, so a dead peer fails pending ops quickly; UCX_KEEPALIVE_INTERVAL wins.
   std::chrono::milliseconds peerCheck;
   // How long bytes toward a peer on another host may stay unacknowledged before its connection

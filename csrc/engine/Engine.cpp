@@ -50,6 +50,7 @@ void Engine::stopProcessEngine() {
 
 Engine::Engine(Private)
     : config_(Config::fromEnv()),
+      spin_(config_, Spin::cpusOfProcess()),
       ucx_(std::make_unique<UcxContext>(config_)),
       worker_(std::make_unique<UcxWorker>(*ucx_, UcxWorker::Threads::kSingle)),
       cudaOps_(std::make_unique<CudaOps>(config_.maxCudaOps)) {
@@ -57,7 +58,7 @@ Engine::Engine(Private)
     rendezvous_->onTransferDone(op, status);
   };
   auto ucx =
-      std::make_unique<UcxChannel>(*ucx_, *worker_, *cudaOps_, thread_, config_, onDone);
+      std::make_unique<UcxChannel>(*ucx_, *worker_, *cudaOps_, thread_, config_, spin_, onDone);
   local_ = PeerAddress::local(worker_->address(), ucx->receiveAddress(),
                               cudaOps_->flags().path());
   auto copyEngine = std::make_unique<CopyEngineChannel>(
@@ -78,10 +79,9 @@ Engine::Engine(Private)
       local_, *worker_, *control_, *channels_, failures_, thread_,
       [this](Peer& peer, const std::string& why) { onPeerFailure(peer, why); });
   rendezvous_ = std::make_unique<Rendezvous>(*channels_, *peers_, failures_, thread_);
-  loop_ = std::make_unique<ProgressLoop>(config_, *worker_, *channels_, *peers_, *rendezvous_,
+  loop_ = std::make_unique<ProgressLoop>(spin_, *worker_, *channels_, *peers_, *rendezvous_,
                                          *cudaOps_, thread_);
   log(LogLevel::kInfo, "engine started on host ", local_.hostname);
-  if (!config_.spinNote.empty()) log(LogLevel::kInfo, config_.spinNote);
 }
 
 Engine::~Engine() {
@@ -179,6 +179,7 @@ PeerRoute Engine::attachPeer(uint64_t groupId, int rank, const PeerAddress& addr
   }
   const PeerTable::Attached attached = peers_->attach(address);
   group->peers[rank] = attached.peer;
+  if (attached.peer->sameHost) spin_.onRanksOnHost(peers_->liveSameHostPeers() + 1);
   if (attached.unreachable) {
     // Its ops are refused, and recvs from any source pass it over, as with a peer that failed
     // later. Its engine is gone for good: a new one would publish a new process key.

@@ -19,6 +19,7 @@
 #include "engine/ProgressLoop.h"
 #include "engine/ProgressThread.h"
 #include "engine/Rendezvous.h"
+#include "engine/Spin.h"
 #include "engine/Store.h"
 #include "engine/Wire.h"
 
@@ -50,6 +51,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::shared_ptr<Group> joinGroup(GroupConfig config, std::shared_ptr<KeyValueStore> store,
                                    std::chrono::milliseconds timeout);
   const Config& config() const { return config_; }
+  const Spin& spin() const { return spin_; }
   const PeerAddress& localAddress() const { return local_; }
   Failures& failures() { return failures_; }
   // The channel of that kind, for its caller-thread methods.
@@ -81,6 +83,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   void onPeerFailure(Peer& peer, const std::string& why);
 
   const Config config_;
+  Spin spin_;
   std::unique_ptr<UcxContext> ucx_;
   std::unique_ptr<UcxWorker> worker_;
   std::unique_ptr<CudaOps> cudaOps_;

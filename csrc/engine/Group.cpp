@@ -180,7 +180,7 @@ Clock::time_point Group::queuedDeadline() const {
 
 bool Group::pollQueued(const CudaFence& fence, Clock::time_point deadline) {
   Channel& channel = engine_->channel(fence.channel);
-  return pollUntil([&] { return channel.fenceQueued(fence); }, engine_->config().spin, deadline);
+  return pollUntil([&] { return channel.fenceQueued(fence); }, engine_->spin().get(), deadline);
 }
 
 void Group::awaitQueued(const CudaFence& fence) {

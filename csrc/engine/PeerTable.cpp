@@ -67,6 +67,12 @@ std::unique_ptr<Peer> PeerTable::makePeer(const PeerAddress& address,
   return peer;
 }
 
+long PeerTable::liveSameHostPeers() const {
+  long count = 0;
+  for (const auto& [key, peer] : peers_) count += peer->sameHost && !peer->failed;
+  return count;
+}
+
 Peer* PeerTable::find(const std::string& processKey) {
   auto it = peers_.find(processKey);
   return it == peers_.end() ? nullptr : it->second.get();

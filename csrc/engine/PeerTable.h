@@ -39,6 +39,8 @@ class PeerTable {
   // The peer at `address`, connected (control endpoint and channels) on first use.
   Attached attach(const PeerAddress& address);
   Peer* find(const std::string& processKey);
+  // Peers on this host that have not failed.
+  long liveSameHostPeers() const;
   // Marks the peer failed (the first time) and reports it.
   void fail(const std::string& processKey, const std::string& why);
   // Fails same-host peers whose process exited; drops what reached failed ones, outside any

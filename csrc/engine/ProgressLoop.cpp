@@ -23,10 +23,10 @@ constexpr timespec kMemoryWatchNap{0, 20'000};
 
 }  // namespace
 
-ProgressLoop::ProgressLoop(const Config& config, UcxWorker& worker, Channels& channels,
+ProgressLoop::ProgressLoop(const Spin& spin, UcxWorker& worker, Channels& channels,
                            PeerTable& peers, Rendezvous& rendezvous, CudaOps& cudaOps,
                            ProgressThread& thread)
-    : config_(config),
+    : spin_(spin),
       worker_(worker),
       channels_(channels),
       peers_(peers),
@@ -104,7 +104,7 @@ void ProgressLoop::run() {
       channels_.forEach([](Channel& channel) { channel.sweep(); });
       lastSweep = now;
     }
-    if (now - lastActivity < config_.spin || !worker_.arm()) {
+    if (now - lastActivity < spin_.get() || !worker_.arm()) {
       continue;
     }
     {

@@ -11,10 +11,10 @@
 #include <vector>
 
 #include "engine/Channels.h"
-#include "engine/Config.h"
 #include "engine/CudaOps.h"
 #include "engine/Error.h"
 #include "engine/ProgressThread.h"
+#include "engine/Spin.h"
 
 namespace smfree::engine {
 
@@ -27,7 +27,7 @@ class UcxWorker;
 // fd (and same-host peers' pidfds) when idle.
 class ProgressLoop {
  public:
-  ProgressLoop(const Config& config, UcxWorker& worker, Channels& channels, PeerTable& peers,
+  ProgressLoop(const Spin& spin, UcxWorker& worker, Channels& channels, PeerTable& peers,
                Rendezvous& rendezvous, CudaOps& cudaOps, ProgressThread& thread);
   ~ProgressLoop() { stop(); }
   ProgressLoop(const ProgressLoop&) = delete;
@@ -47,7 +47,7 @@ class ProgressLoop {
   bool runCommands();
   void sleep();
 
-  const Config& config_;
+  const Spin& spin_;
   UcxWorker& worker_;
   Channels& channels_;
   PeerTable& peers_;

@@ -12,6 +12,22 @@ with tempfile.TemporaryDirectory() as tmp:
     dist.init_process_group("smfree", init_method=f"file://{tmp}/store", rank=0, world_size=1)
     dist.destroy_process_group()
 """
+# Two ranks on two CPUs (each pinned to the same two), without a launcher's LOCAL_WORLD_SIZE, as
+# under torch.multiprocessing.spawn: each alone has a CPU per polling thread, and learns of the
+# other when they connect.
+PINNED_PAIR = """
+import os, sys, torch, torch.distributed as dist, smfree_pg
+os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:2])
+rank, store = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("smfree", init_method=f"file://{store}", rank=rank, world_size=2)
+tensor = torch.full((4,), float(rank))
+if rank == 0:
+    dist.send(tensor, 1)
+else:
+    dist.recv(tensor, 0)
+    assert tensor.tolist() == [0.0] * 4, tensor
+dist.destroy_process_group()
+"""
 SPIN_NOTE = "the engine's threads sleep between events instead of spinning"
 
 
@@ -37,6 +53,37 @@ def test_no_spinning_where_the_ranks_polling_threads_outnumber_the_cpus():
     log = engine_log(LOCAL_WORLD_SIZE=str(ranks))
     assert (f"SMFREE_SPIN_US unset and {ranks} ranks on this host (LOCAL_WORLD_SIZE), two "
             f"polling threads each, share {cpus} CPUs: {SPIN_NOTE}") in log, log
+
+
+def pinned_pair_logs(tmp_path, **env):
+    env = dict(os.environ, SMFREE_LOG_LEVEL="info", **env)
+    env.pop("LOCAL_WORLD_SIZE", None)
+    ranks = [subprocess.Popen([sys.executable, "-c", PINNED_PAIR, str(rank), str(tmp_path / "store")],
+                              stderr=subprocess.PIPE, text=True, env=env) for rank in range(2)]
+    logs = []
+    for rank in ranks:
+        try:
+            _, log = rank.communicate(timeout=120)
+        finally:
+            rank.kill()
+        assert rank.returncode == 0, log
+        logs.append(log)
+    return logs
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pins each rank to 2 CPUs")
+def test_no_spinning_once_connected_peers_show_the_cpus_outnumbered(tmp_path):
+    for log in pinned_pair_logs(tmp_path, SMFREE_SPIN_US=""):
+        assert ("SMFREE_SPIN_US unset and 2 ranks on this host (LOCAL_WORLD_SIZE unset; counted "
+                f"from the peers connected), two polling threads each, share 2 CPUs: {SPIN_NOTE}"
+                ) in log, log
+        assert "1 rank on this host" not in log, log
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pins each rank to 2 CPUs")
+def test_spinning_on_a_crowded_host_where_the_user_chose(tmp_path):
+    for log in pinned_pair_logs(tmp_path, SMFREE_SPIN_US="10000"):
+        assert "engine started" in log and SPIN_NOTE not in log, log
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one rank's two threads need 2 CPUs")

@@ -97,9 +97,15 @@ def test_cpu_run_covers_every_schedule_and_backend(tmp_path):
                "--pipelining-microbatches", "4", "--pipelining-warmup", "1",
                "--pipelining-rounds", "2", "--pipelining-steps", "1",
                "--roundtrip-sizes", "4K,64K", "--roundtrip-iters", "3", "--roundtrip-reps", "2"]
-    env = {**os.environ, "SMFREE_LOG_LEVEL": "error"}
+    env = {**os.environ, "SMFREE_LOG_LEVEL": "info"}
+    env.pop("SMFREE_SPIN_US", None)
+    env.pop("LOCAL_WORLD_SIZE", None)
     done = subprocess.run(command, capture_output=True, text=True, timeout=180, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
+    # The spawned ranks know, as torchrun's would, that two share the host: where their four
+    # polling threads outnumber the CPUs, they do not spin.
+    crowded = 2 * 2 > len(os.sched_getaffinity(0))
+    assert ("2 ranks on this host (LOCAL_WORLD_SIZE)" in done.stderr) == crowded, done.stderr
     assert "Pipelining: torch.distributed.pipelining" in done.stdout
     assert "Round trip" in done.stdout
     report = json.loads(report_path.read_text())

@@ -41,12 +41,27 @@ class ScopedEnv {
 
 TEST(configDefaults, "config: unset variables take their defaults") {
   ScopedEnv env{{"SMFREE_TRANSPORT", nullptr}, {"SMFREE_STAGING_BYTES", nullptr},
-                {"SMFREE_IPC_CACHE_SIZE", nullptr}, {"SMFREE_SPIN_US", "250"}};
+                {"SMFREE_IPC_CACHE_SIZE", nullptr}, {"SMFREE_SPIN_US", nullptr},
+                {"LOCAL_WORLD_SIZE", nullptr}};
   const Config config = Config::fromEnv();
   CHECK(config.transport == Transport::kAuto);
   CHECK(config.stagingBytes == 16u << 20);
   CHECK(config.ipcCacheSize == 1024);
-  CHECK(config.spin.count() == 250);
+  CHECK(!config.spin && !config.localRanks);  // Spin chooses
+}
+
+TEST(configReadsSpinAndLocalRanks, "config: SMFREE_SPIN_US and a LOCAL_WORLD_SIZE count are kept") {
+  {
+    ScopedEnv env{{"SMFREE_SPIN_US", "250"}, {"LOCAL_WORLD_SIZE", "4"}};
+    const Config config = Config::fromEnv();
+    CHECK(config.spin && config.spin->count() == 250);
+    CHECK(config.localRanks == 4);
+  }
+  {
+    // torchrun's variable, not ours: what is not a count is left alone, not refused.
+    ScopedEnv env{{"LOCAL_WORLD_SIZE", "four"}};
+    CHECK(!Config::fromEnv().localRanks);
+  }
 }
 
 TEST(configReadsItsChoices, "config: each transport and size is read as given") {

@@ -112,6 +112,9 @@ def free_port() -> int:
 
 
 def _spawned_rank(rank: int, world: int, init_method: str, args: argparse.Namespace) -> None:
+    # What torchrun tells its ranks: how many share this host, from which smfree chooses whether
+    # its threads spin (README, SMFREE_SPIN_US).
+    os.environ["LOCAL_WORLD_SIZE"] = str(world)
     run_rank(rank, world, rank, init_method, args)
 
 

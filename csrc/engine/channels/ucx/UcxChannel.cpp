@@ -106,8 +106,9 @@ struct UcxChannel::Transfer {
 };
 
 UcxChannel::UcxChannel(const UcxContext& context, UcxWorker& sendWorker, CudaOps& cudaOps,
-                       const ProgressThread& thread, const Config& config, Done onDone)
-    : lane_(std::make_unique<UcxReceiveLane>(context, config.spin)),
+                       const ProgressThread& thread, const Config& config, const Spin& spin,
+                       Done onDone)
+    : lane_(std::make_unique<UcxReceiveLane>(context, spin)),
       receiveLane_(*lane_),
       sendWorker_(sendWorker),
       cudaOps_(cudaOps),

@@ -8,6 +8,7 @@
 
 #include "engine/Channel.h"
 #include "engine/Config.h"
+#include "engine/Spin.h"
 #include "engine/CudaOps.h"
 #include "engine/ProgressThread.h"
 #include "engine/channels/ucx/HostStaging.h"
@@ -54,7 +55,8 @@ class UcxChannel final : public Channel {
   // `sendWorker` is the engine's (its thread calls every progress-thread method here); the
   // channel's receive lane, where recvs are posted, gets a worker of its own on `context`.
   UcxChannel(const UcxContext& context, UcxWorker& sendWorker, CudaOps& cudaOps,
-             const ProgressThread& thread, const Config& config, Done onDone);
+             const ProgressThread& thread, const Config& config, const Spin& spin,
+             Done onDone);
   ~UcxChannel() override;
 
   // Where peers send data: the receive lane's worker address.

@@ -15,7 +15,7 @@ constexpr int kIdleSleepMs = 100;
 
 }  // namespace
 
-UcxReceiveLane::UcxReceiveLane(const UcxContext& context, std::chrono::microseconds spin)
+UcxReceiveLane::UcxReceiveLane(const UcxContext& context, const Spin& spin)
     : worker_(context, UcxWorker::Threads::kShared), spin_(spin), thread_([this] { run(); }) {}
 
 UcxReceiveLane::~UcxReceiveLane() { stop(); }
@@ -46,7 +46,7 @@ void UcxReceiveLane::run() {
       lastActivity = now;
       continue;
     }
-    if (now - lastActivity < spin_ || !worker_.arm()) continue;
+    if (now - lastActivity < spin_.get() || !worker_.arm()) continue;
     pollfd event{worker_.eventFd(), POLLIN, 0};
     poll(&event, 1, kIdleSleepMs);
   }

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <thread>
 
+#include "engine/Spin.h"
 #include "engine/transports/ucx/UcxContext.h"
 #include "engine/transports/ucx/UcxWorker.h"
 
@@ -19,7 +20,7 @@ namespace smfree::engine {
 // their callbacks run here or inside those calls.
 class UcxReceiveLane {
  public:
-  UcxReceiveLane(const UcxContext& context, std::chrono::microseconds spin);
+  UcxReceiveLane(const UcxContext& context, const Spin& spin);
   ~UcxReceiveLane();
   UcxReceiveLane(const UcxReceiveLane&) = delete;
   UcxReceiveLane& operator=(const UcxReceiveLane&) = delete;
@@ -34,7 +35,7 @@ class UcxReceiveLane {
   void run();
 
   UcxWorker worker_;
-  const std::chrono::microseconds spin_;
+  const Spin& spin_;
   std::atomic<int> cudaDevice_{-1};
   std::atomic<bool> stopping_{false};
   std::thread thread_;
