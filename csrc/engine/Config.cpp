@@ -80,7 +80,7 @@ Config Config::fromEnv() {
   config.transport = parseTransport(std::getenv("SMFREE_TRANSPORT"));
   config.stagingBytes =
       static_cast<uint64_t>(parseNonNegative("SMFREE_STAGING_BYTES", 16 << 20));
-  config.eagerBytes = static_cast<uint64_t>(parseNonNegative("SMFREE_EAGER_BYTES", 1 << 20));
+  config.eagerBytes = static_cast<uint64_t>(parseNonNegative("SMFREE_EAGER_BYTES", 8 << 20));
   config.hostStagingPieceBytes =
       static_cast<uint64_t>(parseNonNegative("SMFREE_HOST_STAGING_PIECE_BYTES", 4 << 20));
   return config;

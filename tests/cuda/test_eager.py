@@ -15,7 +15,7 @@ from harness import synchronize
 pytestmark = pytest.mark.gpu
 
 COPY_ENGINE = channels.COPY_ENGINE
-EAGER_MAX = 1 << 20  # SMFREE_EAGER_BYTES's default
+EAGER_MAX = 8 << 20  # SMFREE_EAGER_BYTES's default
 
 
 def _store():
@@ -55,7 +55,8 @@ def _send_returns_before_the_recv_is_posted(rank, world, numel, rounds):
 
 
 @pytest.mark.parametrize("connections", ["1", "8"])
-@pytest.mark.parametrize("numel", [1, 64 << 10, EAGER_MAX // 4], ids=["4B", "256KiB", "1MiB"])
+@pytest.mark.parametrize("numel", [1, 64 << 10, 1 << 18, EAGER_MAX // 4],
+                         ids=["4B", "256KiB", "1MiB", "8MiB"])
 def test_send_wait_returns_before_its_recv_is_posted(numel, connections):
     COPY_ENGINE.skip_unless_ranks(2)
     rounds = 20

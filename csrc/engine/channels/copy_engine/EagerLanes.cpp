@@ -113,6 +113,8 @@ std::shared_ptr<StagingRing> EagerLanes::ringFor(const LaneKey& lane, int device
   Incoming& in = incoming_[lane];
   try {
     in.ring = std::make_shared<StagingRing>(flags_, device, slotBytes_, kEagerSlots);
+    log(LogLevel::kInfo, "eager ring of ", kEagerSlots, " x ", slotBytes_, " B on cuda:", device,
+        " for group ", lane.group, " tag ", lane.tag, " from ", lane.peer);
   } catch (const Error& error) {
     log(LogLevel::kInfo, "no eager ring on cuda:", device, " for group ", lane.group, " tag ",
         lane.tag, " from ", lane.peer, " (", error.what(), "): its sends wait for the recvs");
