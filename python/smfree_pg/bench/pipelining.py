@@ -196,7 +196,7 @@ def run_step(ctx: Ctx, pipeline: Pipeline | None, clock: WaitClock
     seconds = time.perf_counter() - start
     clock.recording = False
     pipeline.record()
-    return (seconds, {kind: list(times) for kind, times in clock.samples.items()},
+    return (seconds, {kind: list(times) for kind, times in clock.waits.items()},
             {kind: list(times) for kind, times in clock.posts.items()})
 
 
@@ -383,16 +383,15 @@ def print_section(section: dict) -> None:
             ])
     print(format_table(["stages", "schedule", "activation", "smfree ms", "±", f"{ref} ms", "±",
                         f"smfree/{ref}", "paired", "losses", "gradients"], rows))
-    print(f"\nCPU time inside wait() per op, median µs (waits per step); ms/step: a step's "
-          "time in wait(), the most of any rank")
-    print(format_table(["stages", "schedule", "activation"] + [
+    columns = ["stages", "schedule", "activation"] + [
         f"{TITLES[b]} {what}" for b in backends
-        for what in ("all", "send", "recv", "send+recv", "ms/step")], waits))
-    print("\nCPU time posting ops (isend, irecv, a batch), median µs (posts per step); ms/step: "
-          "a step's time posting, the most of any rank")
-    print(format_table(["stages", "schedule", "activation"] + [
-        f"{TITLES[b]} {what}" for b in backends
-        for what in ("all", "send", "recv", "send+recv", "ms/step")], posts), flush=True)
+        for what in ("all", "send", "recv", "send+recv", "ms/step")]
+    for title, table in (("CPU time inside wait() per op, median µs (waits per step); ms/step: "
+                          "a step's time in wait(), the most of any rank", waits),
+                         ("CPU time posting ops (isend, irecv, a batch), median µs (posts per "
+                          "step); ms/step: a step's time posting, the most of any rank", posts)):
+        print(f"\n{title}")
+        print(format_table(columns, table), flush=True)
 
 
 def agreement(comparison: dict) -> str:

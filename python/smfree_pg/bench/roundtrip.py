@@ -106,7 +106,7 @@ def measure(ctx: Ctx, size: int, iters: int, args) -> tuple[dict | None, str | N
         where = f"rank {ctx.rank}, round trip over {backend}, {format_size(size)}"
         if error := mismatch(recvs[backend], sender, where):
             return None, error
-    return {backend: {"loop_s": loops[backend], "waits": dict(clocks[backend].samples)}
+    return {backend: {"loop_s": loops[backend], "waits": dict(clocks[backend].waits)}
             for backend in ctx.backends}, None
 
 

@@ -21,7 +21,7 @@ class WaitClock:
     """Seconds spent inside each wait() and each post while `recording`, by kind of post."""
 
     def __init__(self) -> None:
-        self.samples: dict[str, list[float]] = defaultdict(list)
+        self.waits: dict[str, list[float]] = defaultdict(list)
         self.posts: dict[str, list[float]] = defaultdict(list)
         self.recording = False
 
@@ -30,7 +30,7 @@ class WaitClock:
         start = time.perf_counter()
         result = work.wait()
         if self.recording:
-            self.samples[kind].append(time.perf_counter() - start)
+            self.waits[kind].append(time.perf_counter() - start)
         return result
 
     def post(self, post, kind: str):
@@ -42,7 +42,7 @@ class WaitClock:
         return result
 
     def clear(self) -> None:
-        self.samples.clear()
+        self.waits.clear()
         self.posts.clear()
 
 

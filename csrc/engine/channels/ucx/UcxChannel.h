@@ -8,9 +8,9 @@
 
 #include "engine/Channel.h"
 #include "engine/Config.h"
-#include "engine/Spin.h"
 #include "engine/CudaOps.h"
 #include "engine/ProgressThread.h"
+#include "engine/Spin.h"
 #include "engine/channels/ucx/HostStaging.h"
 #include "engine/channels/ucx/UcxCudaOp.h"
 #include "engine/channels/ucx/UcxReceiveLane.h"
