@@ -22,7 +22,7 @@ void logLine(LogLevel level, const std::string& message) {
                static_cast<int>(getpid()), message.c_str());
 }
 
-void logOnce(const std::string& key, const std::string& message) {
+void logOnce(const std::string& key, const std::string& message, LogLevel level) {
   static std::mutex mutex;
   static std::set<std::string> seen;
   {
@@ -31,7 +31,7 @@ void logOnce(const std::string& key, const std::string& message) {
       return;
     }
   }
-  log(LogLevel::kInfo, message);
+  log(level, message);
 }
 
 }  // namespace smfree::engine

@@ -5,6 +5,7 @@
 #include "engine/Log.h"
 #include "engine/PeerTable.h"
 #include "engine/Rendezvous.h"
+#include "engine/cuda/Capture.h"
 #include "engine/cuda/CudaDriver.h"
 #include "engine/transports/ucx/UcxWorker.h"
 
@@ -72,51 +73,70 @@ void ProgressLoop::run() {
   // default 50 µs timer slack showed up as +10 % pipeline step time.
   prctl(PR_SET_TIMERSLACK, 1000UL);
   prctl(PR_SET_NAME, "smfree-progress");  // what top -H and py-spy show for this thread
-  auto lastActivity = Clock::now();
-  auto lastScan = lastActivity;
-  auto lastSweep = lastActivity;
+  cuda::markEngineThread();
+  cuda::relaxOnceCudaIsLoaded();
+  const auto now = Clock::now();
+  Clocks clocks{now, now, now};
   // UCX pins host memory for CUDA copies only while a context is current (cuda_copy's
   // registration is a no-op otherwise), and it allocates its host staging fragments from
   // inside worker progress. Unpinned fragments halved host-staged bandwidth, so once a CUDA
   // buffer has gone to UCX its device's context stays current on this thread.
   cuda::CurrentContext channelContext;
-  while (runCommands()) {
-    rendezvous_.startHeldOps();
-    bool active = false;
-    channels_.forEach([&](Channel& channel) {
-      active = channel.progress() || active;
-      if (const int device = channel.contextDevice(); device >= 0) channelContext.use(device);
-    });
-    while (worker_.progress() != 0) {
-      active = true;
+  for (;;) {
+    try {
+      if (!turn(clocks, channelContext)) return;
+    } catch (const std::exception& error) {
+      survive(error);
     }
-    const auto now = Clock::now();
-    if (active) {
-      lastActivity = now;
-    }
-    if (now - lastScan >= kExpiryScanInterval) {
-      peers_.check();
-      cudaOps_.recycle();
-      rendezvous_.expireOps(now);
-      lastScan = now;
-    }
-    if (now - lastSweep >= kExportSweepInterval) {
-      channels_.forEach([](Channel& channel) { channel.sweep(); });
-      lastSweep = now;
-    }
-    if (now - lastActivity < spin_.get() || !worker_.arm()) {
-      continue;
-    }
-    {
-      // The worker is armed: from here on a submitter must fire its event fd.
-      std::lock_guard<std::mutex> lock(commandsMutex_);
-      if (!commands_.empty() || stopping_) {
-        continue;
-      }
-      sleeping_ = true;
-    }
-    sleep();
   }
+}
+
+bool ProgressLoop::turn(Clocks& clocks, cuda::CurrentContext& channelContext) {
+  if (!runCommands()) return false;
+  rendezvous_.startHeldOps();
+  bool active = false;
+  channels_.forEach([&](Channel& channel) {
+    active = channel.progress() || active;
+    if (const int device = channel.contextDevice(); device >= 0) channelContext.use(device);
+  });
+  while (worker_.progress() != 0) {
+    active = true;
+  }
+  const auto now = Clock::now();
+  if (active) {
+    clocks.activity = now;
+  }
+  if (now - clocks.scan >= kExpiryScanInterval) {
+    clocks.scan = now;
+    cuda::relaxOnceCudaIsLoaded();
+    peers_.check();
+    cudaOps_.recycle();
+    rendezvous_.expireOps(now);
+  }
+  if (now - clocks.sweep >= kExportSweepInterval) {
+    clocks.sweep = now;
+    channels_.forEach([](Channel& channel) { channel.sweep(); });
+  }
+  if (now - clocks.activity < spin_.get() || !worker_.arm()) {
+    return true;
+  }
+  {
+    // The worker is armed: from here on a submitter must fire its event fd.
+    std::lock_guard<std::mutex> lock(commandsMutex_);
+    if (!commands_.empty() || stopping_) {
+      return true;
+    }
+    sleeping_ = true;
+  }
+  sleep();
+  return true;
+}
+
+void ProgressLoop::survive(const std::exception& error) {
+  logOnce(concat("progress ", error.what()),
+          concat("the progress thread caught an error no op was there to take, and goes on: ",
+                 error.what()),
+          LogLevel::kError);
 }
 
 bool ProgressLoop::runCommands() {

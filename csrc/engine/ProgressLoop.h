@@ -15,6 +15,7 @@
 #include "engine/Error.h"
 #include "engine/ProgressThread.h"
 #include "engine/Spin.h"
+#include "engine/cuda/CudaDriver.h"
 
 namespace smfree::engine {
 
@@ -43,7 +44,20 @@ class ProgressLoop {
   void stop();
 
  private:
+  // When the loop last did something, and last ran its timed scans.
+  struct Clocks {
+    Clock::time_point activity;
+    Clock::time_point scan;
+    Clock::time_point sweep;
+  };
+
   void run();
+  // One pass: commands, channels, the worker, the timed scans, and sleep when idle; false
+  // once stopping.
+  bool turn(Clocks& clocks, cuda::CurrentContext& channelContext);
+  // What a pass threw: logged once per message, and the loop goes on. What can fail an op is
+  // caught where the op is known; this keeps the thread alive for the rest.
+  void survive(const std::exception& error);
   bool runCommands();
   void sleep();
 

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "engine/Error.h"
+#include "engine/cuda/Capture.h"
 
 namespace smfree::engine::cuda {
 namespace {
@@ -83,6 +84,7 @@ void check(CUresult result, const char* what) {
 }
 
 ContextGuard::ContextGuard(int device) {
+  relaxIfEngineThread();
   check(driver().cuCtxPushCurrent(primaryContext(device)), "cuCtxPushCurrent");
 }
 

@@ -25,6 +25,12 @@ namespace smfree::engine::cuda {
   X(cuStreamSynchronize)\
   X(cuStreamWaitValue32)\
   X(cuStreamWriteValue32)\
+  X(cuStreamBatchMemOp)\
+  X(cuStreamGetCaptureInfo)\
+  X(cuThreadExchangeStreamCaptureMode)\
+  X(cuUserObjectCreate)\
+  X(cuUserObjectRelease)\
+  X(cuGraphRetainUserObject)\
   X(cuStreamWaitEvent)\
   X(cuEventCreate)\
   X(cuEventDestroy)\

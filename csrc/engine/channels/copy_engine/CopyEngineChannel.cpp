@@ -379,20 +379,25 @@ bool CopyEngineChannel::finishMove(Transfer& transfer) {
   Op& op = *transfer.op;
   const CopyEngineOp& state = copyEngineOp(op);
   if (op.isSend()) {
-    if (!state.copied->reached()) {
-      return false;
+    Status status = Status::success();
+    try {
+      if (!state.copied->reached()) return false;
+      // The DMA stream waited for `produced` before the copy that `copied` follows.
+      state.produced->markReached();
+    } catch (const Error& error) {
+      // The device failed (a sticky CUDA error): the copy will not run.
+      status = Status::failure(StatusCode::kTransport,
+                               concat(op.describe(), " failed: ", reasonOf(error)));
     }
-    // The DMA stream waited for `produced` before the copy that `copied` follows.
-    state.produced->markReached();
     --op.outstanding;
-    if (transfer.eager && !transfer.cleared && !op.finished()) {
+    if (status.ok() && transfer.eager && !transfer.cleared && !op.finished()) {
       return true;  // its clear-to-send ends it (clearedEager)
     }
     if (!transfer.slot) {
       ipc_.done(transfer.peer->address.processKey, transfer.clearance->destination,
                 op.request.buffer.device);
     }
-    onDone_(transfer.op, Status::success());
+    onDone_(transfer.op, status);
     return true;
   }
   if (transfer.callerCopiesOut) return finishCallersCopyOut(transfer);

@@ -5,6 +5,7 @@
 
 #include "engine/Error.h"
 #include "engine/Log.h"
+#include "engine/cuda/Capture.h"
 #include "engine/cuda/CudaDriver.h"
 
 namespace smfree::engine {
@@ -29,6 +30,8 @@ void UcxReceiveLane::stop() {
 void UcxReceiveLane::run() {
   prctl(PR_SET_NAME, "smfree-recv");
   prctl(PR_SET_TIMERSLACK, 1000UL);  // as the engine's thread: every landed piece passes here
+  cuda::markEngineThread();
+  cuda::relaxOnceCudaIsLoaded();
   cuda::CurrentContext context;
   auto lastActivity = std::chrono::steady_clock::now();
   while (!stopping_.load(std::memory_order_acquire)) {
@@ -40,13 +43,20 @@ void UcxReceiveLane::run() {
       }
     }
     bool active = false;
-    while (worker_.progress() != 0) active = true;
+    try {
+      while (worker_.progress() != 0) active = true;
+    } catch (const std::exception& error) {
+      // No exception may end the thread: the transfers it serves fail at their timeouts.
+      logOnce(concat("receive lane ", error.what()), concat("UCX receive thread: ", error.what()),
+              LogLevel::kError);
+    }
     const auto now = std::chrono::steady_clock::now();
     if (active) {
       lastActivity = now;
       continue;
     }
     if (now - lastActivity < spin_.get() || !worker_.arm()) continue;
+    cuda::relaxOnceCudaIsLoaded();  // idle: its wake-up may bring UCX's first CUDA calls
     pollfd event{worker_.eventFd(), POLLIN, 0};
     poll(&event, 1, kIdleSleepMs);
   }

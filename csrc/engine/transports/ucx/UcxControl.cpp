@@ -3,6 +3,7 @@
 #include <memory>
 
 #include "engine/Log.h"
+#include "engine/transports/ucx/UcxStatus.h"
 
 namespace smfree::engine {
 namespace {
@@ -17,8 +18,13 @@ struct PendingMessage {
 void onSent(void* request, ucs_status_t status, void* userData) {
   std::unique_ptr<PendingMessage> message(static_cast<PendingMessage*>(userData));
   ucp_request_free(request);
-  if (status != UCS_OK) {
+  if (status == UCS_OK) return;
+  // Nothing may propagate into UCX's C frames.
+  try {
     message->onFailure(status);
+  } catch (const std::exception& error) {
+    log(LogLevel::kError, "handling a control message UCX could not send (",
+        ucxStatusText(status), ") failed: ", error.what());
   }
 }
 

@@ -89,7 +89,13 @@ std::optional<std::vector<std::string>> UcxEndpoint::transports() const {
 
 void UcxEndpoint::onError(void* target, ucp_ep_h, ucs_status_t status) {
   const ErrorTarget& errorTarget = *static_cast<ErrorTarget*>(target);
-  if (errorTarget.onError) errorTarget.onError(status);
+  // Nothing may propagate into UCX's C frames.
+  try {
+    if (errorTarget.onError) errorTarget.onError(status);
+  } catch (const std::exception& error) {
+    log(LogLevel::kError, "handling a UCX endpoint error (", ucxStatusText(status),
+        ") failed: ", error.what());
+  }
 }
 
 }  // namespace smfree::engine
