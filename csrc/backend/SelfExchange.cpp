@@ -6,6 +6,9 @@
 #include <cstring>
 
 #include "backend/TensorChecks.h"
+#include "engine/Error.h"
+#include "engine/Log.h"
+#include "engine/cuda/Capture.h"
 
 namespace smfree {
 namespace {
@@ -72,6 +75,17 @@ std::shared_ptr<SelfExchange::Op> SelfExchange::prepare(
   op->storage = tensor.storage();
   op->data = tensor.data_ptr();
   op->desc = describeTensor(tensor);
+  if (device >= 0) {
+    const c10::Stream stream =
+        c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(tensor.device());
+    try {
+      if (auto capture = engine::cuda::captureOf(static_cast<CUstream>(stream.native_handle()))) {
+        op->capture = capture->id;
+      }
+    } catch (const engine::Error& error) {
+      TORCH_CHECK(false, "smfree: ", label.describe(), ": ", engine::reasonOf(error));
+    }
+  }
   return op;
 }
 
@@ -124,6 +138,10 @@ void SelfExchange::exchange(const std::shared_ptr<Op>& send, const std::shared_p
     finishBoth(*send, *recv, Status::failure(StatusCode::kMismatch, mismatch(*send, *recv)));
     return;
   }
+  if (send->capture != recv->capture) {
+    finishBoth(*send, *recv, Status::failure(StatusCode::kMismatch, captureMismatch(*send, *recv)));
+    return;
+  }
   try {
     if (send->desc.bytes != 0 && send->work->onCuda()) {
       copyOnGpu(send, recv, earlier);
@@ -153,12 +171,27 @@ void SelfExchange::copyOnGpu(const std::shared_ptr<Op>& send, const std::shared_
   copied->record(stream);
   send->work->onQueued(copied);
   recv->work->onQueued(copied);
+  if (send->capture) {
+    // The copy is a node of the graph being captured: nothing runs until the graph does, and
+    // the Works' wait() make the stream wait for `copied`, an event of the same capture.
+    finishBoth(*send, *recv, Status::success());
+    return;
+  }
   {
     std::lock_guard<std::mutex> lock(mutex_);
     inFlight_.push_back(InFlight{std::move(copied), send, recv, std::nullopt});
     startWatcher();
   }
   wake_.notify_all();
+}
+
+std::string SelfExchange::captureMismatch(const Op& send, const Op& recv) const {
+  auto where = [](const Op& op) {
+    return op.capture ? "inside a CUDA graph capture" : "outside any CUDA graph capture";
+  };
+  return c10::str(describe(send), " was posted ", where(send), " and ", describe(recv), " ",
+                  send.capture && recv.capture ? "inside another one" : where(recv),
+                  ": ops to this rank itself meet only within one capture, or outside any");
 }
 
 std::string SelfExchange::mismatch(const Op& send, const Op& recv) const {
@@ -242,6 +275,15 @@ std::vector<std::shared_ptr<SelfExchange::Op>> SelfExchange::takeExpired(Clock::
 
 std::vector<SelfExchange::InFlight> SelfExchange::takeCopied() {
   std::vector<InFlight> copied;
+  if (inFlight_.empty()) return copied;
+  try {
+    // A user's graph capture in "global" mode would refuse the event queries below, and be
+    // invalidated by them.
+    engine::cuda::relaxCaptureOnThisThread();
+  } catch (const engine::Error& error) {
+    engine::logOnce("self-exchange relax", c10::str("ops to this rank itself: ", error.what()),
+                    engine::LogLevel::kWarn);
+  }
   for (auto it = inFlight_.begin(); it != inFlight_.end();) {
     bool done = true;
     try {

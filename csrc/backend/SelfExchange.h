@@ -36,6 +36,9 @@ class SelfExchange {
     void* data = nullptr;
     engine::TensorDesc desc;
     std::optional<c10::Event> posted;  // a CUDA op's stream, as it was when the op was queued
+    // A CUDA op: the CUDA graph capture its stream took part in at the call, if any. Two ops
+    // meet only within one capture, or both outside any: a graph waits only for its own work.
+    std::optional<uint64_t> capture;
     Clock::time_point queuedAt;
     Clock::time_point deadline;
   };
@@ -71,6 +74,7 @@ class SelfExchange {
   void copyOnGpu(const std::shared_ptr<Op>& send, const std::shared_ptr<Op>& recv,
                  const std::shared_ptr<Op>& earlier);
   std::string mismatch(const Op& send, const Op& recv) const;
+  std::string captureMismatch(const Op& send, const Op& recv) const;
   void startWatcher();  // under mutex_
   // Fails the ops past their deadline and finishes the copies the GPU has run.
   void watch();

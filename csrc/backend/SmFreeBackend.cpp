@@ -145,15 +145,6 @@ SmFreeBackend::PreparedOp SmFreeBackend::prepare(engine::OpKind kind,
   }
   if (toSelf) return prepareSelf(label, tensor, batch);
 
-  const bool isSend = kind == engine::OpKind::kSend;
-  // CUDA ops fence the caller's stream; the CPU waits for the rest (UCX is not stream-aware).
-  const bool cpuWaited = !onCuda;
-  auto work = c10::make_intrusive<SmFreeWork>(
-      isSend ? c10d::OpType::SEND : (peer == engine::kAnySource ? c10d::OpType::RECVANYSOURCE
-                                                                 : c10d::OpType::RECV),
-      std::move(label), std::vector<at::Tensor>{tensor});
-  work->expectOp(cpuWaited);
-
   engine::OpRequest request;
   request.kind = kind;
   request.peer = peer;
@@ -166,7 +157,22 @@ SmFreeBackend::PreparedOp SmFreeBackend::prepare(engine::OpKind kind,
     request.stream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)
                          ->getStream(tensor.device())
                          .native_handle();
+    // At the call, so that a batch with an op that cannot be captured posts none.
+    try {
+      group_->checkCapture(request);
+    } catch (const engine::Error& error) {
+      TORCH_CHECK(false, "smfree: ", call(), ": ", engine::reasonOf(error));
+    }
   }
+
+  const bool isSend = kind == engine::OpKind::kSend;
+  // CUDA ops fence the caller's stream; the CPU waits for the rest (UCX is not stream-aware).
+  const bool cpuWaited = !onCuda;
+  auto work = c10::make_intrusive<SmFreeWork>(
+      isSend ? c10d::OpType::SEND : (peer == engine::kAnySource ? c10d::OpType::RECVANYSOURCE
+                                                                 : c10d::OpType::RECV),
+      std::move(label), std::vector<at::Tensor>{tensor});
+  work->expectOp(cpuWaited);
   request.desc = describeTensor(tensor);
   // The storage, not the tensor: Megatron frees a sent activation right after isend by
   // swapping its `.data`, which would hand the bytes back to the allocator mid-transfer.

@@ -171,6 +171,15 @@ bool SmFreeWork::wait(std::chrono::milliseconds timeout) {
     std::lock_guard<std::mutex> lock(stateMutex_);
     checkPosted();
   }
+  // Before anything waits: a graph being captured cannot wait for an op posted outside it,
+  // nor a captured op be waited for outside its graph.
+  for (const StreamFence& fence : fences_) {
+    try {
+      fence.group->checkWaitable(currentStream(fence.device), fence.fence);
+    } catch (const engine::Error& error) {
+      TORCH_CHECK(false, "smfree: wait() on ", label_.describe(), ": ", engine::reasonOf(error));
+    }
+  }
   // A CUDA op makes the current stream wait for its copy, as with NCCL, and the CPU waits only
   // until that copy is submitted: on the copy engines once the partner has posted, through
   // pinned host memory (UCX over TCP) once a send is cleared or a recv's copies in may be
@@ -196,11 +205,8 @@ bool SmFreeWork::wait(std::chrono::milliseconds timeout) {
     }
   }
   for (const StreamFence& fence : fences_) {
-    const c10::Device device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(fence.device));
-    const c10::Stream current =
-        c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(device);
     try {
-      fence.group->waitOnStream(current.native_handle(), fence.device, fence.fence);
+      fence.group->waitOnStream(currentStream(fence.device), fence.device, fence.fence);
     } catch (const engine::Error& error) {
       C10_THROW_ERROR(DistBackendError, error.what());
     }
@@ -214,6 +220,11 @@ bool SmFreeWork::wait(std::chrono::milliseconds timeout) {
   }
   waitReturned_ = !finished_;
   return true;
+}
+
+void* SmFreeWork::currentStream(int device) {
+  const c10::Device cuda(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device));
+  return c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(cuda).native_handle();
 }
 
 void SmFreeWork::waitFinished() {

@@ -63,6 +63,8 @@ class SmFreeWork final : public c10d::Work {
   void completeIfDone(std::unique_lock<std::mutex>& lock);
   // Throws for an op of a coalescing block that has not ended. Under stateMutex_.
   void checkPosted() const;
+  // The caller's current stream on `device` (a CUstream).
+  static void* currentStream(int device);
   void waitFinished();
   // Throws the expiry of wait(timeout) if the Work has not finished by `until`.
   void waitFinishedBy(std::chrono::steady_clock::time_point until,

@@ -9,13 +9,14 @@
 namespace smfree::engine {
 
 // The engine's data channels, by kind. Iterated in the order the progress loop drives them:
-// the copy engines, then UCX.
+// the copy engines, the captured ops, then UCX.
 class Channels {
  public:
-  Channels(std::unique_ptr<Channel> copyEngine, std::unique_ptr<Channel> ucx)
-      : all_{std::move(copyEngine), std::move(ucx)} {}
+  Channels(std::unique_ptr<Channel> copyEngine, std::unique_ptr<Channel> captured,
+           std::unique_ptr<Channel> ucx)
+      : all_{std::move(copyEngine), std::move(captured), std::move(ucx)} {}
 
-  Channel& of(ChannelKind kind) { return *all_[kind == ChannelKind::kCopyEngine ? 0 : 1]; }
+  Channel& of(ChannelKind kind) { return *all_[index(kind)]; }
   Channel& of(const Op& op) { return of(op.channel); }
 
   template <typename Visit>
@@ -27,17 +28,27 @@ class Channels {
   bool busy() const { return any([](const Channel& c) { return c.busy(); }); }
   // Destroys them: UCX first, its receive lane after its endpoints' flushes.
   void reset() {
-    all_[1].reset();
-    all_[0].reset();
+    for (auto it = all_.rbegin(); it != all_.rend(); ++it) it->reset();
   }
 
  private:
+  static size_t index(ChannelKind kind) {
+    switch (kind) {
+      case ChannelKind::kCopyEngine:
+        return 0;
+      case ChannelKind::kCaptured:
+        return 1;
+      case ChannelKind::kUcx:
+        break;
+    }
+    return 2;
+  }
   template <typename Test>
   bool any(Test test) const {
     return std::any_of(all_.begin(), all_.end(), [&](const auto& c) { return test(*c); });
   }
 
-  std::array<std::unique_ptr<Channel>, 2> all_;
+  std::array<std::unique_ptr<Channel>, 3> all_;
 };
 
 }  // namespace smfree::engine

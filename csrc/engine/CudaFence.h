@@ -9,6 +9,7 @@
 namespace smfree::engine {
 
 struct CallerStaging;
+struct CapturedOp;
 struct EagerRecv;
 
 // What a caller needs to make its stream wait for a CUDA op (Group::waitOnStream): a recv's
@@ -30,6 +31,9 @@ struct CudaFence {
   std::shared_ptr<cuda::Event> copied;
   std::shared_ptr<CallerStaging> stagedRecv;  // its wait() queues its copies in
   std::shared_ptr<EagerRecv> eagerRecv;        // its wait() may queue its copy out of a slot
+  // An op captured in a CUDA graph: its wait() joins the graph's chain (a recv queues its nodes
+  // there first), see CapturedChannel.h.
+  std::shared_ptr<CapturedOp> captured;
 };
 
 }  // namespace smfree::engine

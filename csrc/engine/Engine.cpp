@@ -3,6 +3,7 @@
 #include "engine/Error.h"
 #include "engine/Group.h"
 #include "engine/Log.h"
+#include "engine/channels/captured/CapturedChannel.h"
 #include "engine/channels/copy_engine/CopyEngineChannel.h"
 #include "engine/channels/ucx/UcxChannel.h"
 #include "engine/transports/ucx/UcxContext.h"
@@ -72,7 +73,9 @@ Engine::Engine(Private)
           peers_->send(*peer, MemoryReleased{local_.processKey, std::move(ids)});
         }
       });
-  channels_ = std::make_unique<Channels>(std::move(copyEngine), std::move(ucx));
+  auto captured = std::make_unique<CapturedChannel>(*cudaOps_, thread_, failures_, onDone);
+  channels_ = std::make_unique<Channels>(std::move(copyEngine), std::move(captured),
+                                         std::move(ucx));
   control_ = std::make_unique<UcxControl>(
       *worker_, [this](const void* data, size_t length) { onControlMessage(data, length); });
   peers_ = std::make_unique<PeerTable>(

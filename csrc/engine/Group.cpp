@@ -90,6 +90,26 @@ void Group::connectAll() {
   }
 }
 
+void Group::checkCapture(OpRequest& request) const {
+  request.capture = cuda::captureOf(static_cast<CUstream>(request.stream));
+  if (!request.capture) return;
+  const int peer = request.peer;
+  if (peer == kAnySource) {
+    fail("a CUDA recv from any source cannot be captured in a CUDA graph: a graph's copies are "
+         "fixed at capture, and its sender is known only once it matches; name the source rank");
+  }
+  if (engine_->config().transport == Transport::kUcx) {
+    fail("CUDA ops over UCX (SMFREE_TRANSPORT=ucx) cannot be captured in a CUDA graph: UCX "
+         "moves the bytes outside CUDA's stream order; captured ops use the copy engines "
+         "(SMFREE_TRANSPORT=auto or copy_engine)");
+  }
+  if (!sameHost_[peer]) {
+    fail("CUDA ops with rank ", peer, ", on another host, cannot be captured in a CUDA graph: "
+         "UCX moves their bytes outside CUDA's stream order; capture only ops between ranks of "
+         "one host");
+  }
+}
+
 std::optional<CudaFence> Group::post(OpRequest request) {
   if (closed_) {
     fail("group '", config_->name, "' is closed");
@@ -99,11 +119,15 @@ std::optional<CudaFence> Group::post(OpRequest request) {
   op->request = std::move(request);
   op->groupId = id_;
   op->config = config_;
+  const bool onCuda = op->request.buffer.memory == MemoryKind::kCuda;
+  const int peer = op->request.peer;
+  if (onCuda) {
+    op->channel = op->request.capture ? ChannelKind::kCaptured : cudaChannel(peer);
+  }
   std::lock_guard<std::mutex> numbering(postMutex_);
   const bool placeKnown = number(*op);
   std::optional<CudaFence> fence;
-  if (op->request.buffer.memory == MemoryKind::kCuda) {
-    const int peer = op->request.peer;
+  if (onCuda) {
     PostOptions options{timeout(), {}, {}, placeKnown};
     if (peer != kAnySource) {
       options.route.stagedThroughHost = stagesCuda_[peer];
@@ -111,7 +135,9 @@ std::optional<CudaFence> Group::post(OpRequest request) {
       options.peerKey = processKeys_[peer];
     }
     try {
-      op->channel = cudaChannel(peer);
+      // A user's CUDA graph capture, in progress on this thread or another, neither refuses
+      // nor is broken by what the channel calls here.
+      cuda::RelaxedCapture relaxed;
       fence = engine_->channel(op->channel).prepare(*op, options);
     } catch (...) {
       unnumber(*op);  // not posted: the next op takes its place in the line
@@ -126,8 +152,9 @@ std::optional<CudaFence> Group::post(OpRequest request) {
 
 bool Group::number(Op& op) {
   const std::pair<int, int> line{op.request.peer, op.request.tag};
+  Lines& lines = linesOf(op);
   if (op.isSend()) {
-    op.seq = sendSeq_[line]++;
+    op.seq = lines.sends[line]++;
     return true;
   }
   if (op.request.peer == kAnySource) {
@@ -138,13 +165,14 @@ bool Group::number(Op& op) {
     anySourcePosted_ = true;
     return false;
   }
-  op.seq = recvSeq_[line]++;
+  op.seq = lines.recvs[line]++;
   return !anySourcePosted_;
 }
 
 void Group::unnumber(const Op& op) {
   if (op.request.peer == kAnySource) return;
-  --(op.isSend() ? sendSeq_ : recvSeq_)[{op.request.peer, op.request.tag}];
+  Lines& lines = linesOf(op);
+  --(op.isSend() ? lines.sends : lines.recvs)[{op.request.peer, op.request.tag}];
 }
 
 ChannelKind Group::cudaChannel(int peer) const {
@@ -179,6 +207,7 @@ Clock::time_point Group::queuedDeadline() const {
 }
 
 bool Group::pollQueued(const CudaFence& fence, Clock::time_point deadline) {
+  cuda::RelaxedCapture relaxed;  // a staged recv queues its copies in from here
   Channel& channel = engine_->channel(fence.channel);
   return pollUntil([&] { return channel.fenceQueued(fence); }, engine_->spin().get(), deadline);
 }
@@ -203,6 +232,7 @@ bool Group::queueCopiesInBy(const CudaFence& fence, Clock::time_point until) {
 }
 
 bool Group::queueCopiesInOnceMatched(const CudaFence& fence) {
+  cuda::RelaxedCapture relaxed;
   return engine_->channel(fence.channel).fenceQueued(fence);
 }
 
@@ -214,7 +244,21 @@ void Group::recordFailureAfterWait(std::string why) {
   engine_->failures().recordAfterWait(id_, std::move(why));
 }
 
+void Group::checkWaitable(void* stream, const CudaFence& fence) const {
+  const bool captured = fence.channel == ChannelKind::kCaptured;
+  const std::optional<cuda::Capture> capture = cuda::captureOf(static_cast<CUstream>(stream));
+  if (captured && !capture) {
+    fail("the op was captured in a CUDA graph: wait for it inside its capture, on a stream "
+         "that takes part in it, as the graph's own step (the current stream captures no graph)");
+  }
+  if (!captured && capture) {
+    fail("the current stream captures a CUDA graph, but the op was posted outside the capture: "
+         "a graph cannot wait for it; wait for it before the capture begins");
+  }
+}
+
 void Group::waitOnStream(void* stream, int device, const CudaFence& fence) {
+  cuda::RelaxedCapture relaxed;
   engine_->channel(fence.channel).waitOnStream(stream, device, fence);
 }
 

@@ -31,9 +31,16 @@ class Group {
   // Makes sure the endpoint to `rank` exists (first use: a store lookup). Throws on failure.
   void connect(int rank);
   void connectAll();
+  // At a CUDA op's call: sets request.capture to the CUDA graph capture its stream takes part
+  // in, if any. Throws Error if the op cannot be captured (a recv from any source, a peer on
+  // another host, SMFREE_TRANSPORT=ucx) or the stream's capture is unusable.
+  void checkCapture(OpRequest& request) const;
   // Never blocks on the transfer; `request.onComplete` reports the outcome. For a CUDA op it
   // returns what streams wait on (waitOnStream) to see the op's buffer done with.
   std::optional<CudaFence> post(OpRequest request);
+  // At wait(), before anything else: throws Error if `stream` cannot wait for the op, that is
+  // if one of the two takes part in a CUDA graph capture and the other does not.
+  void checkWaitable(void* stream, const CudaFence& fence) const;
   // Returns once the partner has posted and the copy is submitted, or the op failed; throws
   // if neither happens within the group timeout.
   void awaitQueued(const CudaFence& fence);
@@ -59,10 +66,20 @@ class Group {
   std::map<std::string, int64_t> stats();
 
  private:
+  // Each (peer, tag) line's next message number, by direction.
+  struct Lines {
+    std::map<std::pair<int, int>, uint64_t> sends;  // (destination, tag) -> next
+    std::map<std::pair<int, int>, uint64_t> recvs;  // (source, tag) -> next
+  };
+
   // Numbers the op in its (peer, tag) line (Op::seq); false where a recv's place in its line
   // cannot be known at its post (a recv from any source came before, or it is one).
   bool number(Op& op);
   void unnumber(const Op& op);  // the op was refused at its post (under postMutex_)
+  // Captured ops have lines of their own: they match only captured ops.
+  Lines& linesOf(const Op& op) {
+    return op.channel == ChannelKind::kCaptured ? capturedLines_ : lines_;
+  }
   // Which channel a CUDA op with `peer` (a rank or kAnySource) moves on.
   ChannelKind cudaChannel(int peer) const;
   // Polls the fence's channel until the op's copies are queued; false if `deadline` comes
@@ -86,8 +103,8 @@ class Group {
   // which message of its (peer, tag) line an op is: the n-th send to a (rank, tag) meets the
   // n-th recv from that (rank, tag). Held from the numbering to the engine's queue.
   std::mutex postMutex_;
-  std::map<std::pair<int, int>, uint64_t> sendSeq_;  // (destination, tag) -> next
-  std::map<std::pair<int, int>, uint64_t> recvSeq_;  // (source, tag) -> next
+  Lines lines_;
+  Lines capturedLines_;
   // Since a recv from any source: it takes a message of a line unknown until it matches, so
   // later recvs can no longer know their place.
   bool anySourcePosted_ = false;

@@ -11,7 +11,8 @@ std::string Op::describe() const {
       isSend() ? concat("to rank ", request.peer)
                : (request.peer == kAnySource ? std::string("from any rank")
                                              : concat("from rank ", request.peer));
-  return concat(isSend() ? "send" : "recv", " on rank ", group.rank, " ", partnerText,
+  return concat(channel == ChannelKind::kCaptured ? "captured " : "", isSend() ? "send" : "recv",
+                " on rank ", group.rank, " ", partnerText,
                 " (group '", group.name, "', tag ", request.tag, ", ", request.desc.describe(),
                 ")");
 }

@@ -10,6 +10,7 @@
 #include "engine/Status.h"
 #include "engine/TensorDesc.h"
 #include "engine/Wire.h"
+#include "engine/cuda/Capture.h"
 
 namespace smfree::engine {
 
@@ -43,6 +44,9 @@ struct OpRequest {
   // matched a send, before any of its bytes move.
   std::function<void(int source)> onMatched;
   void* stream = nullptr;  // CUDA buffers: the caller's current stream (CUstream)
+  // CUDA buffers: the CUDA graph capture `stream` takes part in, as Group::checkCapture found
+  // it at the call; none: the op is not captured.
+  std::optional<cuda::Capture> capture;
 };
 
 struct GroupConfig;

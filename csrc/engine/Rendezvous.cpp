@@ -20,7 +20,15 @@ std::string crossHostCuda(const Op& op, const Peer& peer) {
 }
 
 const char* channelName(ChannelKind kind) {
-  return kind == ChannelKind::kCopyEngine ? "the copy engines" : "UCX";
+  switch (kind) {
+    case ChannelKind::kCopyEngine:
+      return "the copy engines";
+    case ChannelKind::kCaptured:
+      return "the copy engines inside a CUDA graph";
+    case ChannelKind::kUcx:
+      break;
+  }
+  return "UCX";
 }
 
 std::string mismatchMessage(const GroupConfig& group, const ReadyToSend& send, const Op& recv) {
@@ -85,7 +93,8 @@ void Rendezvous::registerGroup(std::shared_ptr<const GroupConfig> config) {
   auto orphans = orphans_.find(id);
   if (orphans != orphans_.end()) {
     for (ReadyToSend& rts : orphans->second) {
-      state.matcher.announce(std::move(rts));  // no recv is posted yet: nothing can match
+      // No recv is posted yet: nothing can match.
+      state.matcherFor(rts.channel).announce(std::move(rts));
     }
     orphans_.erase(orphans);
   }
@@ -108,9 +117,11 @@ void Rendezvous::closeGroup(uint64_t groupId, StatusCode code, const std::string
     failOp(op, code, concat(op->describe(), " failed: ", reason));
     if (moving) channels_.of(*op).cancel(*op);
   }
-  group->matcher.forEachWaiting(
-      [&](const Announcement& announcement) { discardAnnounced(*group, announcement.rts); });
-  group->matcher.clear();
+  for (Matcher* matcher : {&group->matcher, &group->capturedMatcher}) {
+    matcher->forEachWaiting(
+        [&](const Announcement& announcement) { discardAnnounced(*group, announcement.rts); });
+    matcher->clear();
+  }
   std::deque<std::shared_ptr<Op>> held;
   for (auto& op : heldOps_) {
     if (op->groupId != groupId) {
@@ -150,13 +161,15 @@ std::string Rendezvous::dumpPending(uint64_t groupId) {
     out << "\n";
   }
   if (GroupState* group = findGroup(groupId)) {
-    group->matcher.forEachWaiting([&](const Announcement& announcement) {
-      ++count;
-      out << "  announced send from rank " << announcement.rts.source << " (tag "
-          << announcement.rts.tag << ", " << announcement.rts.desc.describe()
-          << "), waiting for a recv" << (announcement.cancelled ? " (cancelled by sender)" : "")
-          << "\n";
-    });
+    for (const Matcher* matcher : {&group->matcher, &group->capturedMatcher}) {
+      matcher->forEachWaiting([&](const Announcement& announcement) {
+        ++count;
+        out << "  announced " << (matcher == &group->capturedMatcher ? "captured " : "")
+            << "send from rank " << announcement.rts.source << " (tag " << announcement.rts.tag
+            << ", " << announcement.rts.desc.describe() << "), waiting for a recv"
+            << (announcement.cancelled ? " (cancelled by sender)" : "") << "\n";
+      });
+    }
   }
   return concat(count, " pending:\n", out.str());
 }
@@ -226,7 +239,7 @@ void Rendezvous::startOp(const std::shared_ptr<Op>& op) {
     }
     return;
   }
-  if (auto match = group->matcher.postRecv(op)) {
+  if (auto match = group->matcherFor(op->channel).postRecv(op)) {
     onMatched(*group, *match);
   }
 }
@@ -249,7 +262,7 @@ void Rendezvous::onReadyToSend(const ReadyToSend& message) {
                        : nullptr;
     if (sender) channels_.of(message.channel).announced(*sender, message);
   }
-  for (Matcher::Match& match : group->matcher.announce(message)) {
+  for (Matcher::Match& match : group->matcherFor(message.channel).announce(message)) {
     onMatched(*group, match);
   }
 }
@@ -402,7 +415,8 @@ void Rendezvous::onCancellation(const Cancellation& message) {
     return;
   }
   if (GroupState* group = findGroup(message.group)) {
-    group->matcher.cancel(message.source, message.tag, message.seq, message.reason);
+    group->matcherFor(message.channel).cancel(message.source, message.tag, message.seq,
+                                              message.reason);
   }
 }
 
@@ -462,7 +476,7 @@ void Rendezvous::expire(const std::shared_ptr<Op>& op, Clock::time_point now) {
   if (op->isSend() && !moving) {
     if (Peer* peer = partnerOf(*op); peer && !peer->failed) {
       peers_.send(*peer, Cancellation{op->groupId, op->config->rank, op->request.tag, op->seq, 0,
-                                      why});
+                                      why, op->channel});
     }
   }
 }
@@ -521,8 +535,8 @@ void Rendezvous::keepPlace(const std::shared_ptr<Op>& op, GroupState* group,
     peers_.send(*peer, ReadyToSend{op->groupId, group->config->rank, op->request.tag, op->seq,
                                    op->id, op->request.desc, op->channel, false, {}});
     peers_.send(*peer, Cancellation{op->groupId, group->config->rank, op->request.tag, op->seq,
-                                    0, why});
-  } else if (auto match = group->matcher.postRecv(op)) {
+                                    0, why, op->channel});
+  } else if (auto match = group->matcherFor(op->channel).postRecv(op)) {
     onMatched(*group, *match);
   }
 }

@@ -14,7 +14,8 @@ using MessageType = uint8_t;
 
 // Enums read off the wire must name one of their values.
 bool known(ChannelKind kind) {
-  return kind == ChannelKind::kUcx || kind == ChannelKind::kCopyEngine;
+  return kind == ChannelKind::kUcx || kind == ChannelKind::kCopyEngine ||
+         kind == ChannelKind::kCaptured;
 }
 bool known(StatusCode code) {
   return static_cast<int>(code) >= static_cast<int>(StatusCode::kOk) &&

@@ -10,8 +10,9 @@
 
 namespace smfree::engine {
 
-// Which data channel an op uses; both sides of a pair must agree (SMFREE_TRANSPORT).
-enum class ChannelKind : uint8_t { kUcx = 0, kCopyEngine = 1 };
+// Which data channel an op uses; both sides of a pair must agree (SMFREE_TRANSPORT). Same-host
+// CUDA ops posted while their stream captures a CUDA graph take the captured channel.
+enum class ChannelKind : uint8_t { kUcx = 0, kCopyEngine = 1, kCaptured = 2 };
 
 // Control messages between engines. A send is announced to its receiver, which matches it
 // in posting order and either clears it (the channel then moves the bytes) or refuses it.
@@ -81,11 +82,12 @@ struct Cancellation {
   uint64_t seq = 0;
   uint64_t recvId = 0;  // 0 while the sender has not been cleared
   std::string reason;
+  ChannelKind channel = ChannelKind::kUcx;  // the send's: captured sends have lines of their own
 
   static constexpr const char* kName = "cancellation";
   template <class Self, class Visitor>  // Self: this message, const or not
   static void fields(Self& m, Visitor&& visit) {
-    visit(m.group, m.source, m.tag, m.seq, m.recvId, m.reason);
+    visit(m.group, m.source, m.tag, m.seq, m.recvId, m.reason, m.channel);
   }
 };
 

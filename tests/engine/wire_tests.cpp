@@ -46,9 +46,9 @@ std::vector<Sample> samples() {
        "020700000000000000010000003700000000000000420000000000000003000000000102"},
       {Refusal{7, 1, 55, StatusCode::kTimeout, "sizes differ"},
        "030700000000000000010000003700000000000000020000000c00000073697a657320646966666572"},
-      {Cancellation{7, 2, 3, 4, 5, "timed out"},
+      {Cancellation{7, 2, 3, 4, 5, "timed out", ChannelKind::kCaptured},
        "0407000000000000000200000003000000040000000000000005000000000000000900000074696d6564"
-       "206f7574"},
+       "206f757402"},
       {MemoryReleased{"owner-key", {3, 1ull << 40}},
        "05090000006f776e65722d6b65790200000003000000000000000000000000010000"},
       {ChannelNotice{"sender-key", std::string("\0\7", 2)},
@@ -110,9 +110,14 @@ TEST(wireRoundTripsEveryMessage, "wire: every message round-trips, field by fiel
   CHECK(refusal.group == 7 && refusal.receiver == 1 && refusal.sendId == 55);
   CHECK(refusal.code == StatusCode::kPeerFailure && refusal.reason == "gone");
 
-  const auto cancellation = std::get<Cancellation>(roundTrip(Cancellation{7, 2, -3, 4, 5, "timed out"}));
+  const auto cancellation = std::get<Cancellation>(
+      roundTrip(Cancellation{7, 2, -3, 4, 5, "timed out", ChannelKind::kCaptured}));
   CHECK(cancellation.group == 7 && cancellation.source == 2 && cancellation.tag == -3);
   CHECK(cancellation.seq == 4 && cancellation.recvId == 5 && cancellation.reason == "timed out");
+  CHECK(cancellation.channel == ChannelKind::kCaptured);
+  ReadyToSend captured = sampleReady();
+  captured.channel = ChannelKind::kCaptured;
+  CHECK(std::get<ReadyToSend>(roundTrip(captured)).channel == ChannelKind::kCaptured);
 
   const auto released = std::get<MemoryReleased>(roundTrip(MemoryReleased{"owner-key", {3, 1ull << 40}}));
   CHECK(released.owner == "owner-key");

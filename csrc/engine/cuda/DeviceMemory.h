@@ -4,6 +4,8 @@
 
 #include <cstdint>
 
+#include "engine/cuda/IpcExport.h"
+
 namespace smfree::engine::cuda {
 
 // Device memory smfree allocates for itself (outside PyTorch's caching allocator), freed when
@@ -15,6 +17,8 @@ class DeviceMemory {
   DeviceMemory(const DeviceMemory&) = delete;
   DeviceMemory& operator=(const DeviceMemory&) = delete;
 
+  // A legacy IPC handle of the whole allocation, for peers of this host to map.
+  IpcExport exportIpc() const;
   CUdeviceptr address() const { return address_; }
   uint64_t bytes() const { return bytes_; }
   int device() const { return device_; }

@@ -97,6 +97,10 @@ bool FlagSegment::isSet(const Flag& flag) const { return reached(words_[flag.ind
 
 void FlagSegment::set(const Flag& flag) const { raise(words_ + flag.index, flag.value); }
 
+void FlagSegment::store(const Flag& flag, uint32_t value) const {
+  __atomic_store_n(const_cast<uint32_t*>(words_ + flag.index), value, __ATOMIC_RELEASE);
+}
+
 void* FlagSegment::cudaAddress(uint32_t index) {
   {
     std::lock_guard<std::mutex> lock(mutex_);

@@ -45,6 +45,11 @@ class FlagSegment {
   void set(const Flag& flag) const;
   // The word as CUDA streams address it; registers the segment with CUDA on first use.
   void* cudaAddress(uint32_t index);
+  // Stores `value` in the word, whatever it held: for a word its use sets and resets (the
+  // handshakes of captured graphs), not one whose values grow.
+  void store(const Flag& flag, uint32_t value) const;
+  // The word itself, for a thread that watches it.
+  volatile uint32_t* word(const Flag& flag) const { return words_ + flag.index; }
 
  private:
   int fd_ = -1;
@@ -54,6 +59,22 @@ class FlagSegment {
   std::vector<uint32_t> free_;
   std::vector<uint32_t> generation_;
   bool registered_ = false;
+};
+
+// A word of a segment, given back when destroyed.
+class OwnedFlag {
+ public:
+  OwnedFlag(FlagSegment& segment, uint32_t span = 1)
+      : segment_(segment), flag_(segment.acquire(span)) {}
+  ~OwnedFlag() { segment_.release(flag_); }
+  OwnedFlag(const OwnedFlag&) = delete;
+  OwnedFlag& operator=(const OwnedFlag&) = delete;
+
+  const Flag& get() const { return flag_; }
+
+ private:
+  FlagSegment& segment_;
+  Flag flag_;
 };
 
 // A peer's flag segment, mapped into this process.

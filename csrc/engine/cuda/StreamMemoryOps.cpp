@@ -53,4 +53,26 @@ void writeWord(CUstream stream, void* word, uint32_t value, const char* what) {
         what);
 }
 
+void runInOrder(CUstream stream, std::initializer_list<WordOp> ops, const char* what) {
+  std::vector<CUstreamBatchMemOpParams> params(ops.size());
+  auto param = params.begin();
+  for (const WordOp& op : ops) {
+    *param = {};
+    if (op.kind == WordOp::kWaitEquals) {
+      param->waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_32;
+      param->waitValue.address = address(op.word);
+      param->waitValue.value = op.value;
+      param->waitValue.flags = CU_STREAM_WAIT_VALUE_EQ;
+    } else {
+      param->writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_32;
+      param->writeValue.address = address(op.word);
+      param->writeValue.value = op.value;
+      param->writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
+    }
+    ++param;
+  }
+  check(driver().cuStreamBatchMemOp(stream, static_cast<unsigned>(params.size()), params.data(), 0),
+        what);
+}
+
 }  // namespace smfree::engine::cuda

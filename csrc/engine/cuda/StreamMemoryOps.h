@@ -3,6 +3,7 @@
 #include <cuda.h>
 
 #include <cstdint>
+#include <initializer_list>
 
 namespace smfree::engine::cuda {
 
@@ -19,5 +20,17 @@ void waitForRemoteWrites(CUstream stream, int device, void* word, uint32_t value
 
 // Makes `stream` write `value` into *word once the work before it is done.
 void writeWord(CUstream stream, void* word, uint32_t value, const char* what);
+
+// One operation of a batch (runInOrder): wait until *word == value, or write value into it.
+struct WordOp {
+  enum Kind { kWaitEquals, kWrite };
+  Kind kind;
+  void* word;
+  uint32_t value;
+};
+
+// Queues `ops` on `stream` as one batch, which runs them in order: a wait followed by a
+// write of the same word is a wait-then-reset, one node of a captured graph.
+void runInOrder(CUstream stream, std::initializer_list<WordOp> ops, const char* what);
 
 }  // namespace smfree::engine::cuda

@@ -15,22 +15,6 @@ struct RingHeader {
   uint32_t unused;
 };
 
-cuda::IpcExport exportMemory(const cuda::DeviceMemory& memory) {
-  const cuda::Driver& d = cuda::driver();
-  cuda::ContextGuard context(memory.device());
-  cuda::IpcExport exported;
-  exported.kind = cuda::IpcExport::Kind::kIpcHandle;
-  exported.device = memory.device();
-  exported.address = memory.address();
-  exported.base = memory.address();
-  cuda::check(d.cuIpcGetMemHandle(&exported.handle, memory.address()),
-              "cuIpcGetMemHandle (staging ring)");
-  cuda::check(d.cuPointerGetAttribute(&exported.bufferId, CU_POINTER_ATTRIBUTE_BUFFER_ID,
-                                      memory.address()),
-              "cuPointerGetAttribute(BUFFER_ID) (staging ring)");
-  return exported;
-}
-
 }  // namespace
 
 cuda::Flag slotFull(const cuda::Flag& word, uint32_t use) { return word.plus(2 * use); }
@@ -41,7 +25,7 @@ StagingRing::StagingRing(cuda::FlagSegment& flags, int device, uint64_t slotByte
                          uint32_t slots)
     : flags_(flags), slotBytes_(slotBytes), memory_(device, slotBytes * slots) {
   for (uint32_t slot = 0; slot < slots; ++slot) words_.push_back(flags_.acquire());
-  exported_ = exportMemory(memory_);
+  exported_ = memory_.exportIpc();
 }
 
 void StagingRing::appendTo(std::string& out) const {

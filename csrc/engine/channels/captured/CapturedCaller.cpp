@@ -1,0 +1,121 @@
+// The captured ops' work on the caller's thread: the nodes a send puts in its graph at its
+// post, those a recv puts there at its wait(), and the joins of the caller's stream.
+#include "engine/channels/captured/CapturedChannel.h"
+
+#include "engine/Error.h"
+#include "engine/Log.h"
+#include "engine/cuda/CudaDriver.h"
+#include "engine/cuda/StreamMemoryOps.h"
+
+namespace smfree::engine {
+namespace {
+
+CUdeviceptr address(void* pointer) { return reinterpret_cast<CUdeviceptr>(pointer); }
+
+}  // namespace
+
+CudaFence CapturedChannel::prepare(Op& op, const PostOptions& options) {
+  const cuda::Capture& capture = *op.request.capture;
+  auto captured = std::make_shared<CapturedOp>();
+  captured->isSend = op.isSend();
+  captured->what = op.describe();
+  captured->groupId = op.groupId;
+  captured->peerKey = options.peerKey;
+  captured->peerRank = op.request.peer;
+  captured->captureId = capture.id;
+  captured->buffer = op.request.buffer;
+  captured->keepalive = op.request.keepalive;
+  captured->timeout = options.timeout;
+  if (captured->buffer.bytes != 0) {
+    const int device = captured->buffer.device;
+    cuda::ContextGuard context(device);
+    captured->waiting = std::make_unique<cuda::OwnedFlag>(flags_);
+    flags_.store(captured->waiting->get(), GraphWait::kIdle);
+    captured->watch.emplace(flags_.word(captured->waiting->get()));
+    captured->posted = std::make_unique<cuda::Event>(device);
+    captured->done = std::make_unique<cuda::Event>(device);
+    const auto stream = static_cast<CUstream>(op.request.stream);
+    captured->posted->record(stream);
+    if (captured->isSend) queueSend(*captured);
+  } else if (captured->isSend) {
+    captured->phase = CapturedOp::Phase::kQueued;  // nothing to move
+  }
+  // The graph keeps what its nodes use, to the end of its life (and of its executable graphs').
+  cuda::onGraphDestroyed(capture.graph, [graveyard = graveyard_, captured]() mutable {
+    graveyard->bury(std::move(captured));
+  });
+  {
+    std::lock_guard<std::mutex> lock(capturedMutex_);
+    captured_.push_back(captured);
+  }
+  op.channelState = std::make_unique<CapturedState>(captured);
+  return CudaFence{.channel = ChannelKind::kCaptured, .captured = std::move(captured)};
+}
+
+void CapturedChannel::queueSend(CapturedOp& send) {
+  const Buffer& buffer = send.buffer;
+  send.slot = std::make_unique<cuda::DeviceMemory>(buffer.device, buffer.bytes);
+  log(LogLevel::kInfo, send.what, ": a slot of ", buffer.bytes, " B on cuda:", buffer.device,
+      " for the life of its graph");
+  send.full = std::make_unique<cuda::OwnedFlag>(flags_);
+  send.empty = std::make_unique<cuda::OwnedFlag>(flags_);
+  flags_.store(send.full->get(), 0);
+  flags_.store(send.empty->get(), 1);  // the first replay finds the slot free
+  void* waiting = flags_.cudaAddress(send.waiting->get().index);
+  void* empty = flags_.cudaAddress(send.empty->get().index);
+  const CUstream chain = chains_.join(send.captureId, buffer.device, *send.posted);
+  cuda::runInOrder(chain,
+                   {{cuda::WordOp::kWrite, waiting, GraphWait::kWaiting},
+                    {cuda::WordOp::kWaitEquals, empty, 1},
+                    {cuda::WordOp::kWrite, empty, 0},
+                    {cuda::WordOp::kWrite, waiting, GraphWait::kIdle}},
+                   "cuStreamBatchMemOp (captured send: wait for its slot)");
+  cuda::check(cuda::driver().cuMemcpyAsync(send.slot->address(), address(buffer.data),
+                                           buffer.bytes, chain),
+              "cuMemcpyAsync (captured send, into its slot)");
+  cuda::writeWord(chain, flags_.cudaAddress(send.full->get().index), 1,
+                  "cuStreamWriteValue32 (captured send: slot full)");
+  send.done->record(chain);
+  send.phase = CapturedOp::Phase::kQueued;
+}
+
+void CapturedChannel::queueRecv(CapturedOp& recv) {
+  const Buffer& buffer = recv.buffer;
+  cuda::ContextGuard context(buffer.device);
+  cuda::RemoteFlagSegment& words = *recv.sourceWords;
+  void* waiting = flags_.cudaAddress(recv.waiting->get().index);
+  void* full = words.cudaAddress(recv.source.full.index);
+  const CUstream chain = chains_.join(recv.captureId, buffer.device, *recv.posted);
+  cuda::runInOrder(chain,
+                   {{cuda::WordOp::kWrite, waiting, GraphWait::kWaiting},
+                    {cuda::WordOp::kWaitEquals, full, 1},
+                    {cuda::WordOp::kWrite, full, 0},
+                    {cuda::WordOp::kWrite, waiting, GraphWait::kIdle}},
+                   "cuStreamBatchMemOp (captured recv: wait for its sender's slot)");
+  const CUdeviceptr slot = recv.sourceSlot->address() +
+                           (recv.source.memory.address - recv.source.memory.start());
+  cuda::check(cuda::driver().cuMemcpyAsync(address(buffer.data), slot, buffer.bytes, chain),
+              "cuMemcpyAsync (captured recv, out of its sender's slot)");
+  cuda::writeWord(chain, words.cudaAddress(recv.source.empty.index), 1,
+                  "cuStreamWriteValue32 (captured recv: slot emptied)");
+  recv.done->record(chain);
+  recv.phase = CapturedOp::Phase::kQueued;
+}
+
+bool CapturedChannel::fenceQueued(const CudaFence& fence) {
+  return fence.captured->phase.load() != CapturedOp::Phase::kPosted;
+}
+
+void CapturedChannel::waitOnStream(void* stream, int device, const CudaFence& fence) {
+  CapturedOp& op = *fence.captured;
+  const std::optional<cuda::Capture> capture = cuda::captureOf(static_cast<CUstream>(stream));
+  if (!capture || capture->id != op.captureId) {
+    fail(op.what, " was captured in another CUDA graph than the current stream captures: wait "
+         "for it inside its own capture");
+  }
+  std::lock_guard<std::mutex> lock(op.mutex);
+  if (op.phase.load() == CapturedOp::Phase::kMatched) queueRecv(op);
+  if (op.done) op.done->waitOn(static_cast<CUstream>(stream));
+}
+
+}  // namespace smfree::engine

@@ -1,0 +1,200 @@
+#include "engine/channels/captured/CapturedChannel.h"
+
+#include <algorithm>
+
+#include "engine/Error.h"
+#include "engine/Log.h"
+#include "engine/Peer.h"
+#include "engine/cuda/CudaDriver.h"
+
+namespace smfree::engine {
+
+void CapturedChannel::Graveyard::bury(std::shared_ptr<CapturedOp> op) {
+  std::lock_guard<std::mutex> lock(mutex);
+  if (open) {
+    buried.push_back(std::move(op));
+    return;
+  }
+  // The engine is gone, and with it the flag segment the op's words are of: the process's
+  // end frees the rest.
+  new std::shared_ptr<CapturedOp>(std::move(op));
+}
+
+CapturedChannel::CapturedChannel(CudaOps& cudaOps, const ProgressThread& thread,
+                                 Failures& failures, Done onDone)
+    : thread_(thread),
+      failures_(failures),
+      flags_(cudaOps.flags()),
+      onDone_(std::move(onDone)) {}
+
+CapturedChannel::~CapturedChannel() {
+  std::vector<std::shared_ptr<CapturedOp>> buried;
+  {
+    std::lock_guard<std::mutex> lock(graveyard_->mutex);
+    graveyard_->open = false;
+    buried.swap(graveyard_->buried);
+  }
+}
+
+bool CapturedChannel::reaches(const Peer& peer) const { return peer.sameHost; }
+
+std::string CapturedChannel::announce(const Op& send) {
+  const CapturedOp& op = capturedOf(send);
+  if (!op.slot) return {};  // 0 B: nothing to say
+  std::string data;
+  CapturedSlot{op.full->get(), op.empty->get(), op.slot->exportIpc()}.appendTo(data);
+  return data;
+}
+
+std::string CapturedChannel::armRecv(const std::shared_ptr<Op>& recv, Peer& source,
+                                     const std::string& announced) {
+  thread_.check("CapturedChannel::armRecv");
+  CapturedOp& op = capturedOf(*recv);
+  CapturedSlot slot = CapturedSlot::read(announced);
+  auto& words = senderWords_[source.address.processKey];
+  if (!words) words = std::make_shared<cuda::RemoteFlagSegment>(source.address.flagSegment);
+  cuda::ContextGuard context(op.buffer.device);
+  words->cudaAddress(0);  // registered here, once: callers' threads only read its addresses
+  const int ownerPidfd = source.watch ? source.watch->fd() : -1;
+  op.sourceSlot = std::make_unique<cuda::PeerMapping>(slot.memory, ownerPidfd, op.buffer.device);
+  op.source = std::move(slot);
+  op.sourceWords = words;
+  op.phase.store(CapturedOp::Phase::kMatched, std::memory_order_release);
+  return {};
+}
+
+void CapturedChannel::cleared(const std::shared_ptr<Op>& recv, bool) {
+  onDone_(recv, Status::success());  // the rest is the graph's
+}
+
+void CapturedChannel::startSend(const std::shared_ptr<Op>& send, Peer&, const std::string&) {
+  onDone_(send, Status::success());  // its recv matched it: the rest is the graph's
+}
+
+void CapturedChannel::ended(Op& op, const Status& status) {
+  CapturedOp& captured = capturedOf(op);
+  if (status.ok()) {
+    // A recv of 0 B ends at its match, with nothing to queue.
+    if (captured.phase.load() == CapturedOp::Phase::kPosted) {
+      captured.phase = CapturedOp::Phase::kQueued;
+    }
+    return;
+  }
+  captured.broken = status.message;
+  if (captured.phase.load() == CapturedOp::Phase::kPosted) {
+    captured.phase = CapturedOp::Phase::kFailed;
+  }
+}
+
+void CapturedChannel::peerFailed(Peer& peer) {
+  adoptCaptured();
+  for (const auto& op : watched_) {
+    if (op->peerKey != peer.address.processKey || op->broken) continue;
+    op->broken = concat(op->what, " failed at a replay of its CUDA graph: ", peer.failure,
+                        "; its waits are released from now on, and the bytes its graph moves "
+                        "are wrong");
+  }
+}
+
+void CapturedChannel::adoptCaptured() {
+  std::lock_guard<std::mutex> lock(capturedMutex_);
+  for (auto& op : captured_) {
+    if (op->watch) watched_.push_back(std::move(op));  // 0 B ops put no wait in their graph
+  }
+  captured_.clear();
+}
+
+void CapturedChannel::buryDestroyed() {
+  std::vector<std::shared_ptr<CapturedOp>> buried;
+  {
+    std::lock_guard<std::mutex> lock(graveyard_->mutex);
+    buried.swap(graveyard_->buried);
+  }
+  if (buried.empty()) return;
+  watched_.erase(std::remove_if(watched_.begin(), watched_.end(),
+                                [&](const std::shared_ptr<CapturedOp>& op) {
+                                  return std::find(buried.begin(), buried.end(), op) !=
+                                         buried.end();
+                                }),
+                 watched_.end());
+  // `buried` goes here: what the ops' graphs used is freed on this thread.
+}
+
+void CapturedChannel::sweep() {
+  adoptCaptured();
+  buryDestroyed();
+  const auto now = GraphWait::Clock::now();
+  for (const auto& op : watched_) {
+    if (op->phase.load() != CapturedOp::Phase::kQueued) continue;  // no node in a graph yet
+    if (op->broken) {
+      // A replay waiting here now is one that cannot end well: the group hears of it.
+      if (op->watch->waiting()) failures_.recordAfterWait(op->groupId, *op->broken);
+      release(*op);
+      continue;
+    }
+    if (op->watch->check(now, op->timeout) == GraphWait::Verdict::kStuck) {
+      breakGroup(op->groupId, stuck(*op));
+    }
+  }
+}
+
+std::string CapturedChannel::stuck(const CapturedOp& op) {
+  return concat(op.what, " failed at a replay of its CUDA graph: it waited the group timeout of ",
+                op.timeout.count(), " ms for rank ", op.peerRank, "'s graph to ",
+                op.isSend ? "take the bytes of its previous replay"
+                          : "send this replay's bytes",
+                " (does that rank replay its graph as often?); its waits are released from now "
+                "on, and the bytes its graph moves are wrong");
+}
+
+void CapturedChannel::breakGroup(uint64_t groupId, const std::string& why) {
+  log(LogLevel::kError, why);
+  failures_.recordAfterWait(groupId, why);
+  for (const auto& op : watched_) {
+    if (op->groupId != groupId || op->broken) continue;
+    op->broken = why;
+    if (op->phase.load() == CapturedOp::Phase::kQueued) release(*op);
+  }
+}
+
+void CapturedChannel::release(const CapturedOp& op) {
+  // The handshake's words go from 0 to 1: raising one never lowers what a GPU wrote.
+  if (op.isSend) {
+    flags_.set(cuda::Flag{op.empty->get().index, 1});
+  } else {
+    op.sourceWords->set(cuda::Flag{op.source.full.index, 1});
+  }
+}
+
+void CapturedChannel::stop() {
+  adoptCaptured();
+  for (const auto& op : watched_) {
+    if (!op->broken) op->broken = "the process is exiting";
+    if (op->phase.load() == CapturedOp::Phase::kQueued) release(*op);
+  }
+}
+
+std::string CapturedChannel::describeWait(const Op& op) const {
+  return capturedOf(op).isSend ? "captured: its recv is to be captured"
+                               : "captured: its send is to be captured";
+}
+
+void CapturedChannel::addStats(std::map<std::string, int64_t>& stats) const {
+  std::vector<std::shared_ptr<CapturedOp>> ops = watched_;
+  {
+    std::lock_guard<std::mutex> lock(capturedMutex_);
+    ops.insert(ops.end(), captured_.begin(), captured_.end());
+  }
+  int64_t slots = 0;
+  int64_t slotBytes = 0;
+  for (const auto& op : ops) {
+    if (!op->slot) continue;
+    ++slots;
+    slotBytes += static_cast<int64_t>(op->slot->bytes());
+  }
+  stats["captured_ops"] = static_cast<int64_t>(ops.size());
+  stats["captured_slots"] = slots;
+  stats["captured_slot_bytes"] = slotBytes;
+}
+
+}  // namespace smfree::engine

@@ -1,0 +1,88 @@
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+
+#include "engine/Op.h"
+#include "engine/channels/captured/GraphWait.h"
+#include "engine/cuda/DeviceMemory.h"
+#include "engine/cuda/Event.h"
+#include "engine/cuda/FlagSegment.h"
+#include "engine/cuda/IpcCache.h"
+#include "engine/cuda/IpcExport.h"
+
+namespace smfree::engine {
+
+// What a captured send tells its receiver with its announcement: where its slot is, and the
+// two words of the sender's flag segment its graph and the receiver's hand each other.
+struct CapturedSlot {
+  cuda::Flag full;   // 1 once the slot holds the bytes of the sender's latest replay
+  cuda::Flag empty;  // 1 once the receiver's replay has copied them out
+  cuda::IpcExport memory;
+
+  void appendTo(std::string& out) const;
+  // Throws Error on malformed bytes.
+  static CapturedSlot read(const std::string& data);
+};
+
+// One op captured in a CUDA graph: what its graph's nodes use, shared by the op (the progress
+// thread, until the op has matched at capture), its fence (the caller's wait()) and the graph
+// (which keeps it until the graph is destroyed, CapturedChannel's graveyard).
+struct CapturedOp {
+  enum class Phase : int {
+    kPosted,   // a recv waiting for its match
+    kMatched,  // a recv that knows its sender's slot: its wait() puts its nodes in the graph
+    kQueued,   // its nodes are in the graph (a send's at its post), or it has none (0 B)
+    kFailed,   // it failed at capture: its wait() raises
+  };
+
+  // Fixed at the post.
+  bool isSend = false;
+  std::string what;  // Op::describe()
+  uint64_t groupId = 0;
+  std::string peerKey;
+  int peerRank = 0;
+  uint64_t captureId = 0;
+  Buffer buffer;
+  // The caller's memory, held as long as the graph: its nodes read or write it at every replay,
+  // and memory freed during the capture would go to later allocations of the same graph.
+  std::shared_ptr<void> keepalive;
+  std::chrono::milliseconds timeout{0};  // the group's: how long a replay's wait may last
+  std::unique_ptr<cuda::OwnedFlag> waiting;  // the word of `watch`, in this process's segment
+  std::unique_ptr<cuda::Event> posted;       // the caller's stream at the post
+  std::unique_ptr<cuda::Event> done;         // after the op's last node in the graph
+
+  // Send: its slot, and the words of its handshake (this process's).
+  std::unique_ptr<cuda::DeviceMemory> slot;
+  std::unique_ptr<cuda::OwnedFlag> full;
+  std::unique_ptr<cuda::OwnedFlag> empty;
+
+  // Recv, once matched: its sender's slot and words, mapped here.
+  CapturedSlot source;
+  std::shared_ptr<cuda::RemoteFlagSegment> sourceWords;
+  std::unique_ptr<cuda::PeerMapping> sourceSlot;
+
+  std::atomic<Phase> phase{Phase::kPosted};
+  std::mutex mutex;  // callers' threads: a recv's nodes are queued once
+
+  // Progress thread only: the watchdog's (CapturedChannel::sweep).
+  std::optional<GraphWait> watch;
+  std::optional<std::string> broken;  // why its graph's waits are released at every replay
+};
+
+// Op::channelState of a captured op.
+struct CapturedState final : OpChannelState {
+  explicit CapturedState(std::shared_ptr<CapturedOp> op) : op(std::move(op)) {}
+  std::shared_ptr<CapturedOp> op;
+};
+
+inline CapturedOp& capturedOf(const Op& op) {
+  return *static_cast<CapturedState&>(*op.channelState).op;
+}
+
+}  // namespace smfree::engine
