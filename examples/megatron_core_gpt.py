@@ -12,6 +12,13 @@ the machine's drift; a pair's step time is then the median over all its rounds' 
     torchrun --nproc-per-node=2 examples/megatron_core_gpt.py
     torchrun --nproc-per-node=4 examples/megatron_core_gpt.py --vpp 2 --json out.json
 
+With --full-graph, each run's forward_backward_func is megatron-core's full-iteration CUDA
+graph (FullCudaGraphWrapper, capture_error_mode="thread_local"): one eager step, then the whole
+step (every micro-batch's compute and pipeline P2P) is captured once and only replayed; the
+optimizer step stays outside, as in megatron's training loop:
+
+    torchrun --nproc-per-node=2 examples/megatron_core_gpt.py --full-graph
+
 P2P modes (megatron-core's ModelParallelConfig):
   batched     batch_p2p_comm: each schedule step posts its isend/irecv in one batch
               (not at PP = 2 with virtual stages, which Megatron refuses too)
@@ -43,6 +50,7 @@ import torch.distributed as dist
 import smfree_pg  # noqa: F401  (registers backend "smfree")
 
 from megatron.core import parallel_state
+from megatron.core.full_cuda_graph import FullCudaGraphWrapper
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -79,10 +87,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--modes", nargs="+", choices=MODES, default=None,
         help="P2P modes (default: batched unbatched, and overlapped with --vpp > 1)")
     add("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
+    add("--full-graph", action="store_true",
+        help="replay each step as megatron-core's full-iteration CUDA graph, captured after "
+        "one eager step (needs --warmup-steps >= 2)")
     add("--json", default=None, help="also write the results here (last stage)")
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
+    if args.full_graph and args.warmup_steps < 2:
+        parser.error("--full-graph captures at the second step: --warmup-steps must be >= 2")
     if "overlapped" in (args.modes or []) and args.vpp == 1:
         parser.error("mode 'overlapped' needs --vpp > 1 (megatron-core allows it only there)")
     return args
@@ -168,7 +181,8 @@ class SyntheticData:
     """Arithmetic progressions mod vocab with a random start and stride: learnable in context.
 
     Each model chunk gets its own iterator with the same seed, and draws once per micro-batch
-    in micro-batch order, so the first stage's tokens and the last stage's labels agree.
+    in micro-batch order, so the first stage's tokens and the last stage's labels agree. Every
+    input is in the batch, which the full-iteration graph copies into its static buffers.
     """
 
     def __init__(self, args: argparse.Namespace, step: int):
@@ -192,16 +206,18 @@ class SyntheticData:
         stride = torch.randint(1, 17, (args.micro_batch, 1), device="cuda",
                                generator=self.generator)
         sequence = (start + stride * torch.arange(args.seq + 1, device="cuda")) % args.vocab
-        return {"tokens": sequence[:, :-1], "labels": sequence[:, 1:]}
+        return {"tokens": sequence[:, :-1], "labels": sequence[:, 1:],
+                "position_ids": self.position_ids, "attention_mask": self.attention_mask,
+                "loss_mask": self.loss_mask}
 
 
 def forward_step(data, model):
     batch = next(data)
-    output = model(batch["tokens"], data.position_ids, data.attention_mask,
+    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
                    labels=batch["labels"])
 
     def loss_func(per_token_loss: torch.Tensor):
-        mask = data.loss_mask.view(-1)
+        mask = batch["loss_mask"].view(-1)
         loss = torch.sum(per_token_loss.float().view(-1) * mask) / mask.sum()
         # The schedule divides `loss` in place by the number of micro-batches: report a copy.
         return loss, {"lm loss": loss.detach().clone()}
@@ -221,9 +237,12 @@ def flops_per_step(args: argparse.Namespace) -> float:
 
 def train(args, chunks, config, initial, pp_group, mode, backend) -> dict:
     """Trains from the initial weights; returns per-step losses (last stage) and times."""
+    # A captured backward accumulates into the gradients it found at capture: they stay
+    # allocated and are zeroed in place.
+    set_to_none = not args.full_graph
     for chunk, state in zip(chunks, initial):
         chunk.load_state_dict(state)
-        chunk.zero_grad(set_to_none=True)
+        chunk.zero_grad(set_to_none=set_to_none)
     config.batch_p2p_comm = mode == "batched"
     config.overlap_p2p_comm = mode == "overlapped"
     optimizer = torch.optim.AdamW([p for c in chunks for p in c.parameters()], lr=args.lr)
@@ -231,6 +250,9 @@ def train(args, chunks, config, initial, pp_group, mode, backend) -> dict:
     pg_collection.pp = pp_group
     communicator = P2PCommunicator(pp_group=pp_group, config=config)
     forward_backward = get_forward_backward_func()
+    if args.full_graph:
+        forward_backward = FullCudaGraphWrapper(forward_backward, cuda_graph_warmup_steps=1)
+        forward_backward.reset_cuda_graph()  # its graphs are the class's: the last run's go
     model = chunks if args.vpp > 1 else chunks[0]
 
     losses, times = [], []
@@ -252,7 +274,7 @@ def train(args, chunks, config, initial, pp_group, mode, backend) -> dict:
         )
         optimizer.step()
         for chunk in chunks:
-            chunk.zero_grad(set_to_none=True)
+            chunk.zero_grad(set_to_none=set_to_none)
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - began
         if step >= args.warmup_steps:
@@ -260,6 +282,8 @@ def train(args, chunks, config, initial, pp_group, mode, backend) -> dict:
         if results:
             losses.append(torch.stack([r["lm loss"] for r in results]).mean().item())
     del optimizer
+    if args.full_graph:
+        forward_backward.reset_cuda_graph()
     return {"mode": mode, "backend": backend, "losses": losses, "step_s": times}
 
 
@@ -283,7 +307,8 @@ def report(args: argparse.Namespace, runs: list[dict]) -> None:
     print(f"\nGPT {args.layers} layers, hidden {args.hidden}, {args.heads} heads, seq {args.seq}, "
           f"vocab {args.vocab}; PP {args.pp}, VPP {args.vpp}, {args.micro_batches} micro-batches "
           f"of {args.micro_batch}; bf16; {args.steps} measured steps after {args.warmup_steps}, "
-          f"{args.rounds} round(s)")
+          f"{args.rounds} round(s)"
+          + ("; full-iteration CUDA graph" if args.full_graph else ""))
     print(f"{'mode':<11} {'backend':<7} {'step ms':>9} {'TFLOP/s/GPU':>12} {'vs nccl':>8}  "
           f"losses")
     by_mode = merge_rounds(runs)
@@ -322,7 +347,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     groups = init_distributed(args)
     torch.manual_seed(args.seed)
-    model_parallel_cuda_manual_seed(args.seed)
+    # The full-iteration graph registers the tracker's generators with its capture.
+    model_parallel_cuda_manual_seed(args.seed, use_cudagraphable_rng=args.full_graph)
     config = make_config(args)
     chunks = build_model(args, config)
     initial = [{k: v.clone() if torch.is_tensor(v) else v for k, v in c.state_dict().items()}

@@ -60,38 +60,51 @@ class Traffic:
     chunks: int
     stream: torch.cuda.Stream
 
-    def post(self, group, after: torch.cuda.Event
+    def post(self, ctx: Ctx, backend: str, after: torch.cuda.Event
              ) -> tuple[torch.cuda.Event, torch.cuda.Event, Callable[[], None]]:
-        """Posts every exchange from a thread of its own, so that the GEMM loop is queued at once
-        even where wait() holds the CPU until the bytes have moved (smfree over UCX). The
-        exchanges start on the GPU once `after` has happened.
+        """Posts every exchange from a thread of its own (post_from_thread): wait() may hold the
+        CPU until the bytes have moved (smfree over UCX)."""
+        group = ctx.groups[backend]
 
-        Returns start/end events and a function that joins the thread, raising its error.
-        """
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        errors: list[BaseException] = []
+        def exchanges() -> None:
+            for _ in range(self.chunks):
+                exchange(group, self.send, self.recv, self.peer)
 
-        def run() -> None:
-            try:
-                with torch.cuda.device(self.send.device), torch.cuda.stream(self.stream):
-                    self.stream.wait_event(after)
-                    start.record()
-                    for _ in range(self.chunks):
-                        exchange(group, self.send, self.recv, self.peer)
-                    end.record()
-            except BaseException as error:  # noqa: BLE001 - raised again by join()
-                errors.append(error)
+        return post_from_thread(self.stream, after, exchanges)
 
-        thread = threading.Thread(target=run, name="bench-traffic")
-        thread.start()
 
-        def join() -> None:
-            thread.join()
-            if errors:
-                raise errors[0]
+def post_from_thread(stream: torch.cuda.Stream, after: torch.cuda.Event,
+                     traffic: Callable[[], None]
+                     ) -> tuple[torch.cuda.Event, torch.cuda.Event, Callable[[], None]]:
+    """Runs `traffic` on `stream` from a thread of its own, so that the GEMM loop is queued at
+    once, whatever holds the CPU while the traffic is posted (a wait(), a full launch queue).
+    The traffic starts on the GPU once `after` has happened.
 
-        return start, end, join
+    Returns start/end events and a function that joins the thread, raising its error.
+    """
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            with torch.cuda.device(stream.device), torch.cuda.stream(stream):
+                stream.wait_event(after)
+                start.record()
+                traffic()
+                end.record()
+        except BaseException as error:  # noqa: BLE001 - raised again by join()
+            errors.append(error)
+
+    thread = threading.Thread(target=run, name="bench-traffic")
+    thread.start()
+
+    def join() -> None:
+        thread.join()
+        if errors:
+            raise errors[0]
+
+    return start, end, join
 
 
 def gemm_loop(a, b, c, count: int) -> tuple[torch.cuda.Event, torch.cuda.Event]:
@@ -104,10 +117,10 @@ def gemm_loop(a, b, c, count: int) -> tuple[torch.cuda.Event, torch.cuda.Event]:
     return start, end
 
 
-def overlap_trial(ctx: Ctx, backend: str | None, traffic: Traffic | None, matrices, count: int,
-                  preheat: int):
+def overlap_trial(ctx: Ctx, backend: str | None, traffic, matrices, count: int, preheat: int):
     """One GEMM loop, alone (backend None) or under `traffic` over `backend`, right after
-    `preheat` untimed GEMMs.
+    `preheat` untimed GEMMs. `traffic`: a Traffic, or what posts like one (post(ctx, backend,
+    after), with the `recv` and `peer` it checks).
 
     A loop that followed an idle GPU ran about 5 % faster, at the same reported SM clock, than
     one that followed other GEMMs: without the preheat, the order of the conditions in a round
@@ -121,7 +134,7 @@ def overlap_trial(ctx: Ctx, backend: str | None, traffic: Traffic | None, matric
     torch.cuda.synchronize()
     barrier(ctx)
     hot = gemm_loop(*matrices, preheat)[1]
-    transfer = traffic.post(ctx.groups[backend], hot) if moving else None
+    transfer = traffic.post(ctx, backend, hot) if moving else None
     gemm = gemm_loop(*matrices, count)
     if moving:
         transfer[2]()
@@ -133,6 +146,27 @@ def overlap_trial(ctx: Ctx, backend: str | None, traffic: Traffic | None, matric
     # The slowdown is the whole loop's only if the traffic was still running when it ended.
     sample["covered"] = gemm[1].elapsed_time(transfer[1]) >= 0
     return sample, mismatch(traffic.recv, traffic.peer, f"rank {ctx.rank}, overlap over {backend}")
+
+
+def trial_rounds(ctx: Ctx, traffic, matrices, args, what: str) -> dict[str, list[dict]]:
+    """--overlap-reps rounds of (alone, smfree, NCCL) GEMM loops under `traffic`, after a
+    warm-up; each condition's samples."""
+    a, b, c = matrices
+    for _ in range(GEMM_WARMUP):
+        torch.mm(a, b, out=c)
+    torch.cuda.synchronize()
+    samples = {condition: [] for condition in ("alone", *CUDA_BACKENDS)}
+    for round_ in range(args.overlap_reps):
+        for condition, runs in samples.items():
+            backend = None if condition == "alone" else condition
+            sample, error = overlap_trial(ctx, backend, traffic, matrices, args.gemms,
+                                          args.overlap_preheat)
+            raise_on_errors(gather(ctx, error), f"{what} under {condition}")
+            runs.append(sample)
+            extra = f", transfer {sample['transfer_ms']:.1f} ms" if "transfer_ms" in sample else ""
+            log(ctx, f"{what} round {round_ + 1}/{args.overlap_reps} {condition:6} "
+                     f"{sample['gemm_ms']:.3f} ms per GEMM{extra}")
+    return samples
 
 
 def summarize_overlap(samples: dict, n: int, bytes_each_way: int) -> dict:
@@ -175,20 +209,7 @@ def run(ctx: Ctx, args) -> dict:
         for backend in CUDA_BACKENDS:
             # Untimed: the first exchange maps buffers and builds communicators.
             exchange(ctx.groups[backend], traffic.send, traffic.recv, ctx.peer)
-    for _ in range(GEMM_WARMUP):
-        torch.mm(a, matrices[1], out=matrices[2])
-    torch.cuda.synchronize()
-    samples = {condition: [] for condition in ("alone", *CUDA_BACKENDS)}
-    for round_ in range(args.overlap_reps):
-        for condition, runs in samples.items():
-            backend = None if condition == "alone" else condition
-            sample, error = overlap_trial(ctx, backend, traffic, matrices, count,
-                                          args.overlap_preheat)
-            raise_on_errors(gather(ctx, error), f"overlap under {condition}")
-            runs.append(sample)
-            extra = f", transfer {sample['transfer_ms']:.1f} ms" if "transfer_ms" in sample else ""
-            log(ctx, f"overlap round {round_ + 1}/{args.overlap_reps} {condition:6} "
-                     f"{sample['gemm_ms']:.3f} ms per GEMM{extra}")
+    samples = trial_rounds(ctx, traffic, matrices, args, "overlap")
     bytes_each_way = chunks * args.overlap_chunk
     summary = summarize_overlap(samples, n, bytes_each_way) if ctx.peer is not None else None
     return {

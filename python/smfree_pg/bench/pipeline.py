@@ -69,13 +69,15 @@ class Stage:
     def forward(self, x: torch.Tensor, microbatch: int) -> torch.Tensor:
         for _ in range(self.layers):
             x = x @ self.weight
-        x[0, 0] = microbatch  # the next stage checks it: integers up to 256 are exact in bf16
+        # The next stage checks it: integers up to 256 are exact in bf16. fill_ takes the value
+        # as a kernel argument, so a CUDA graph can capture it.
+        x[0, 0].fill_(microbatch)
         return x
 
     def backward(self, grad: torch.Tensor, microbatch: int) -> torch.Tensor:
         for _ in range(2 * self.layers):
             grad = grad @ self.weight
-        grad[0, 0] = -1 - microbatch
+        grad[0, 0].fill_(-1 - microbatch)
         return grad
 
 

@@ -5,7 +5,8 @@ check_arguments(args, parser), run(ctx, args) -> its JSON section (called on eve
 print_section(section) (rank 0's table).
 """
 
-from smfree_pg.bench import bandwidth, overlap, pipeline, pipelining, profile, roundtrip
+from smfree_pg.bench import (bandwidth, captured, overlap, pipeline, pipelining, profile,
+                             roundtrip)
 
 SECTIONS = {module.NAME: module
-            for module in (bandwidth, overlap, profile, pipeline, pipelining, roundtrip)}
+            for module in (bandwidth, overlap, profile, pipeline, pipelining, roundtrip, captured)}
