@@ -1,5 +1,7 @@
 #include "backend/SmFreeWork.h"
 
+#include <algorithm>
+
 #include <ATen/ThreadLocalState.h>
 #include <ATen/record_function.h>
 #include <c10/core/Stream.h>
@@ -270,6 +272,14 @@ void SmFreeWork::synchronize() {
   {
     std::lock_guard<std::mutex> lock(stateMutex_);
     checkPosted();
+  }
+  // A captured op ends at capture; what it still owes is its part of the graph, which only a
+  // stream can wait for: as NCCL's synchronize() does, make the current stream wait.
+  if (std::any_of(fences_.begin(), fences_.end(), [](const StreamFence& fence) {
+        return fence.fence.channel == engine::ChannelKind::kCaptured;
+      })) {
+    wait();
+    return;
   }
   try {
     queueStagedCopiesIn();

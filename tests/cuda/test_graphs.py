@@ -122,15 +122,21 @@ def test_captured_exchanges_replay_the_right_bytes(order, connections, mode):
         assert (slots, slot_bytes) == (len(SIZES), sum(SIZES))
 
 
-def _replays_under_the_profiler(rank, world, numel, replays):
+def _graph_of_one_exchange(rank, numel):
     dev = torch.device("cuda", rank)
     peer = 1 - rank
     src = torch.full((numel,), float(rank), device=dev)
     dst = torch.zeros(numel, device=dev)
     _exchange(src, dst, peer, "batch")
     graph, _ = _capture(lambda: _exchange(src, dst, peer, "batch"), "global")
-    graph.replay()
+    graph.replay()  # both ranks: the first replay goes through
     torch.cuda.synchronize()
+    return graph, dst
+
+
+def _replays_under_the_profiler(rank, world, numel, replays):
+    graph, dst = _graph_of_one_exchange(rank, numel)
+    peer = 1 - rank
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
         for _ in range(replays):
@@ -188,20 +194,38 @@ def test_a_send_freed_inside_the_capture_still_sends_its_bytes():
         assert seen == [(10.0 * r + peer + 1,) * 2 for r in range(replays)]
 
 
-def _store():
-    return dist.distributed_c10d._get_default_store()
-
-
-def _graph_of_one_exchange(rank, numel):
+def _synchronized_inside_the_capture(rank, world, numel, replays):
+    # synchronize() on a captured op makes the stream wait for it, as wait() does: a captured
+    # recv's copy goes into the graph either way.
     dev = torch.device("cuda", rank)
     peer = 1 - rank
-    src = torch.full((numel,), float(rank), device=dev)
-    dst = torch.zeros(numel, device=dev)
-    _exchange(src, dst, peer, "batch")
-    graph, _ = _capture(lambda: _exchange(src, dst, peer, "batch"), "global")
-    graph.replay()  # both ranks: the first replay goes through
+    src = torch.zeros(numel, device=dev)
+    got = torch.zeros(numel, device=dev)
+    _exchange(src, got, peer, "batch")
+    graph = torch.cuda.CUDAGraph()
     torch.cuda.synchronize()
-    return graph, dst
+    with torch.cuda.graph(graph):
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, src, peer),
+                                            dist.P2POp(dist.irecv, got, peer)]):
+            work.synchronize()
+    seen = []
+    for r in range(replays):
+        src.fill_(float(10 * r + rank))
+        graph.replay()
+        seen.append((got.min().item(), got.max().item()))
+    return seen
+
+
+def test_synchronize_inside_a_capture_waits_as_wait_does():
+    COPY_ENGINE.skip_unless_ranks(2)
+    replays = 3
+    for rank, seen in enumerate(COPY_ENGINE.run(_synchronized_inside_the_capture, 2, 4096,
+                                                replays)):
+        assert seen == [(10.0 * r + 1 - rank,) * 2 for r in range(replays)]
+
+
+def _store():
+    return dist.distributed_c10d._get_default_store()
 
 
 def _next_call_error(device):
