@@ -7,6 +7,7 @@
 
 #include "backend/StoreAdapter.h"
 #include "backend/TensorChecks.h"
+#include "backend/WithoutGil.h"
 #include "engine/Error.h"
 
 namespace smfree {
@@ -25,7 +26,7 @@ SmFreeBackend::SmFreeBackend(const c10::intrusive_ptr<c10d::Store>& store, int r
     : c10d::Backend(rank, size),
       timeout_(timeout),
       groupName_(std::make_shared<const std::string>(groupName)),
-      selfExchange_(groupName),
+      selfExchange_(std::make_unique<SelfExchange>(groupName)),
       innerFactory_(std::move(innerFactory)) {
   try {
     group_ = engine::Engine::acquire()->joinGroup(engine::GroupConfig{groupName, rank, size},
@@ -35,7 +36,16 @@ SmFreeBackend::SmFreeBackend(const c10::intrusive_ptr<c10d::Store>& store, int r
   }
 }
 
-SmFreeBackend::~SmFreeBackend() = default;
+SmFreeBackend::~SmFreeBackend() {
+  WithoutGil released;
+  selfExchange_.reset();
+  batch_.reset();
+  {
+    std::lock_guard<std::mutex> lock(innerMutex_);
+    inners_.clear();
+  }
+  group_.reset();
+}
 
 c10::intrusive_ptr<c10d::Backend::Options> SmFreeBackend::getBackendOptions() {
   return c10::make_intrusive<Options>("smfree", timeout_);
@@ -194,7 +204,7 @@ SmFreeBackend::PreparedOp SmFreeBackend::prepareSelf(const WorkLabel& label,
                                                      const c10::intrusive_ptr<SmFreeWork>& batch) {
   PreparedOp op;
   op.cpuWaited = !tensor.device().is_cuda();
-  op.self = selfExchange_.prepare(label, tensor, batch);
+  op.self = selfExchange_->prepare(label, tensor, batch);
   if (batch) {
     batch->expectOp(op.cpuWaited);
     batch->addWaitedWork(op.self->work);
@@ -204,7 +214,7 @@ SmFreeBackend::PreparedOp SmFreeBackend::prepareSelf(const WorkLabel& label,
 
 void SmFreeBackend::post(PreparedOp& op, const c10::intrusive_ptr<SmFreeWork>& batch) {
   if (op.self) {
-    selfExchange_.post(op.self, group_->timeout());
+    selfExchange_->post(op.self, group_->timeout());
     return;
   }
   const int device = op.request.buffer.device;
@@ -403,7 +413,8 @@ void SmFreeBackend::stop(const char* state, bool abortInner) {
   if (!stopped_.compare_exchange_strong(expected, state)) {
     return;
   }
-  selfExchange_.close(c10::str("group '", group_->config().name, "' was ", state));
+  WithoutGil released;  // the inner backends' shutdown and the group's close wait for threads
+  selfExchange_->close(c10::str("group '", group_->config().name, "' was ", state));
   try {
     group_->close(engine::StatusCode::kAborted,
                   c10::str("group '", group_->config().name, "' was ", state), abortInner);

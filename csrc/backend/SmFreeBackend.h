@@ -127,7 +127,7 @@ class SmFreeBackend final : public c10d::Backend {
   std::shared_ptr<engine::Group> group_;
   std::chrono::milliseconds timeout_;
   std::shared_ptr<const std::string> groupName_;  // shared by the labels of its Works
-  SelfExchange selfExchange_;
+  std::unique_ptr<SelfExchange> selfExchange_;
 
   std::mutex innerMutex_;
   InnerFactory innerFactory_;

@@ -71,3 +71,16 @@ def test_collectives_through_the_wrapped_backend():
         assert out["broadcast_object_list"] == "from 1"
     assert results[0]["reduce"] == float(sum(range(world)))
     assert results[0]["gather"] == [float(r) for r in range(world)]
+
+
+def _destroy_after_async_collectives(rank, world):
+    # Gloo's work loop frees the finished works' tensors, which needs the GIL, while the
+    # destroy below tears the wrapped Gloo down and joins that loop.
+    for i in range(200):
+        dist.broadcast(torch.full((1024,), float(i)), src=0, async_op=True)
+    dist.destroy_process_group()
+    return "destroyed"
+
+
+def test_destroy_right_after_async_collectives_returns():
+    assert run_ranks(_destroy_after_async_collectives, 3, timeout=60) == ["destroyed"] * 3
