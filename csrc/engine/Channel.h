@@ -71,9 +71,9 @@ class Channel {
   virtual void disconnect(Peer& peer) {}
   // The peer is gone: nothing it was going to do for this channel will happen.
   virtual void peerFailed(Peer& peer) {}
-  // Engine shutdown, the progress thread gone: waits, up to each peer's flushBound, until the
-  // peers have taken what this channel sent them.
-  virtual void flush() {}
+  // Engine shutdown, the progress thread gone: waits, up to `deadline`, until the peers have
+  // taken what this channel sent them.
+  virtual void flush(Clock::time_point deadline) {}
 
   // Whether the progress thread makes CUDA calls for the op.
   virtual bool callsCudaOnProgressThread(const Op& op) const = 0;

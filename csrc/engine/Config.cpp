@@ -71,6 +71,8 @@ Config Config::fromEnv() {
   config.peerCheck = std::chrono::milliseconds(parseNonNegative("SMFREE_PEER_CHECK_MS", 1000));
   config.linkTimeout =
       std::chrono::milliseconds(parseNonNegative("SMFREE_LINK_TIMEOUT_MS", 10000));
+  config.exitTimeout =
+      std::chrono::milliseconds(parseNonNegative("SMFREE_EXIT_TIMEOUT_MS", 10000));
   config.ipcCacheSize = static_cast<size_t>(parseNonNegative("SMFREE_IPC_CACHE_SIZE", 1024));
   if (config.ipcCacheSize == 0) {
     fail("SMFREE_IPC_CACHE_SIZE must be at least 1");

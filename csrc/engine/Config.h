@@ -30,6 +30,9 @@ struct Config {
   // fails (TCP_USER_TIMEOUT): a cut link or a host gone fails its ops, naming it, after this
   // rather than at their group timeout. UCX_TCP_USER_TIMEOUT wins; 0 keeps the system's.
   std::chrono::milliseconds linkTimeout;
+  // Longest a process exit or a group's end waits for peers to take what was sent to them
+  // (ops whose wait() returned, sends UCX holds), whatever the group timeout.
+  std::chrono::milliseconds exitTimeout;
   // Most CUDA IPC mappings of peers' buffers kept open at once.
   size_t ipcCacheSize;
   // Most CUDA ops a process keeps in flight before a new one waits (SMFREE_MAX_CUDA_OPS).

@@ -13,9 +13,6 @@
 namespace smfree::engine {
 namespace {
 
-// Longest a process exit waits for sends whose wait() has returned to deliver their bytes.
-constexpr auto kExitDrainLimit = std::chrono::seconds(60);
-
 std::mutex processEngineMutex;
 std::weak_ptr<Engine> processEngine;
 
@@ -39,13 +36,14 @@ void Engine::stopProcessEngine() {
   }
   if (engine) {
     // A rank may exit right after wait() on a staged op: a send's receiver is owed the bytes,
-    // and a recv's copies in still read the host memory.
+    // and a recv's copies in still read the host memory. One bound for the whole exit.
+    const Clock::time_point deadline = engine->exitDeadline();
     try {
-      engine->awaitReleasedOps(std::nullopt, Clock::now() + kExitDrainLimit);
+      engine->awaitReleasedOps(std::nullopt, deadline);
     } catch (const Error& error) {
       log(LogLevel::kWarn, "at exit: ", error.what());
     }
-    engine->stop();
+    engine->stop(deadline);
   }
 }
 
@@ -89,7 +87,7 @@ Engine::Engine(Private)
 
 Engine::~Engine() {
   loop_->stop();
-  flushPeers();
+  flushPeers(exitDeadline());
   // The progress thread is gone: finish what is left from here, held ops too.
   rendezvous_->shutDown();
   peers_->clear();
@@ -97,15 +95,17 @@ Engine::~Engine() {
   control_.reset();
 }
 
-void Engine::stop() {
+void Engine::stop(Clock::time_point deadline) {
   loop_->stop();
-  flushPeers();
+  flushPeers(deadline);
   channels_->forEach([](Channel& channel) { channel.stop(); });
 }
 
-void Engine::flushPeers() {
-  peers_->flush();
-  channels_->forEach([](Channel& channel) { channel.flush(); });
+Clock::time_point Engine::exitDeadline() const { return Clock::now() + config_.exitTimeout; }
+
+void Engine::flushPeers(Clock::time_point deadline) {
+  peers_->flush(deadline);
+  channels_->forEach([deadline](Channel& channel) { channel.flush(deadline); });
 }
 
 std::shared_ptr<Group> Engine::joinGroup(GroupConfig config, std::shared_ptr<KeyValueStore> store,
@@ -117,10 +117,7 @@ std::shared_ptr<Group> Engine::joinGroup(GroupConfig config, std::shared_ptr<Key
   // Registered before it is published: a peer that reads the address may send at once, and
   // until then this engine drops messages for the name's previous group, closed but still known.
   loop_->call<void>(
-      [this, shared, timeout] {
-        peers_->raiseFlushBound(timeout);
-        rendezvous_->registerGroup(shared);
-      },
+      [this, shared] { rendezvous_->registerGroup(shared); },
       timeout, "registering the group");
   auto group = std::make_shared<Group>(shared_from_this(), shared, store, timeout);
   store->set(addressKey(shared->rank), local_.encode());  // on failure, ~Group closes it
@@ -149,7 +146,8 @@ void Engine::awaitReleasedOps(std::optional<uint64_t> groupId, Clock::time_point
   }
   if (left != 0) {
     log(LogLevel::kWarn, left, " ops whose wait() had returned were still moving bytes when ",
-        groupId ? "their group closed" : "the process exited", "; they fail");
+        groupId ? "their group closed" : "the process exited",
+        " and SMFREE_EXIT_TIMEOUT_MS had passed; they fail");
   }
 }
 

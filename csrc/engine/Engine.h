@@ -72,11 +72,13 @@ class Engine : public std::enable_shared_from_this<Engine> {
 
  private:
   // Stops the progress thread and the channels' threads: at process exit, before UCX and
-  // CUDA tear down under them.
-  void stop();
-  // Once the progress thread is gone: waits, bounded by the group timeout for each endpoint,
-  // until every peer on another host has taken what was sent to it.
-  void flushPeers();
+  // CUDA tear down under them; waits for the peers up to `deadline`.
+  void stop(Clock::time_point deadline);
+  // When an exit that starts now stops waiting for peers (SMFREE_EXIT_TIMEOUT_MS).
+  Clock::time_point exitDeadline() const;
+  // Once the progress thread is gone: waits, up to `deadline`, until every peer on another
+  // host has taken what was sent to it.
+  void flushPeers(Clock::time_point deadline);
   // Progress thread.
   PeerRoute attachPeer(uint64_t groupId, int rank, const PeerAddress& address);
   void onControlMessage(const void* data, size_t length);

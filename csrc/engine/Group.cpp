@@ -267,8 +267,12 @@ void Group::close(StatusCode code, const std::string& reason, bool abort) {
     return;
   }
   // Ops whose wait() has returned still owe their peers the bytes, or their streams the copies
-  // in; their own timeouts bound this.
-  if (!abort) engine_->awaitReleasedOps(id_, Clock::now() + timeout());
+  // in: a wait bounded by the exit's bound, which does not grow with the group timeout.
+  if (!abort) {
+    engine_->awaitReleasedOps(
+        id_, Clock::now() + std::min<std::chrono::milliseconds>(
+                                timeout(), engine_->config().exitTimeout));
+  }
   engine_->closeGroup(id_, code, reason);
 }
 

@@ -37,9 +37,6 @@ struct Peer {
   // To its engine's worker, for control messages (what the channels keep per peer is
   // theirs); null once a failed same-host peer was closed.
   std::unique_ptr<UcxEndpoint> endpoint;
-  // How long closing its endpoints waits for it to take what was sent to it: the longest
-  // timeout of the groups joined when it was reached.
-  std::chrono::milliseconds flushBound{0};
   bool failed = false;
   std::string failure;
 

@@ -37,7 +37,6 @@ std::unique_ptr<Peer> PeerTable::makePeer(const PeerAddress& address,
   auto peer = std::make_unique<Peer>();
   peer->address = address;
   peer->sameHost = address.hostKey == local_.hostKey;
-  peer->flushBound = flushBound_;
   if (peer->sameHost) {
     peer->watch = std::make_unique<ProcessWatch>(address.pid);
     if (!peer->watch->alive()) {
@@ -51,7 +50,7 @@ std::unique_ptr<Peer> PeerTable::makePeer(const PeerAddress& address,
     // Same host: shared memory and CMA need UCX's peer-failure handling off; the watch
     // notices a dead peer instead.
     peer->endpoint = std::make_unique<UcxEndpoint>(
-        worker_.handle(), address.workerAddress, !peer->sameHost, peer->flushBound,
+        worker_.handle(), address.workerAddress, !peer->sameHost, peer->describe(),
         [onError](ucs_status_t status) { onError(ucxPeerErrorText(status)); });
     channels_.forEach([&](Channel& channel) { channel.connect(*peer, onError); });
   } catch (const Error& error) {
@@ -123,14 +122,12 @@ void PeerTable::send(Peer& peer, const ControlMessage& message) {
   });
 }
 
-void PeerTable::raiseFlushBound(std::chrono::milliseconds timeout) {
-  thread_.check("PeerTable::raiseFlushBound");
-  flushBound_ = std::max(flushBound_, timeout);
-}
-
-void PeerTable::flush() {
+void PeerTable::flush(Clock::time_point deadline) {
   for (auto& [key, peer] : peers_) {
-    if (peer->endpoint) peer->endpoint->flush();
+    if (peer->endpoint) peer->endpoint->startFlush();
+  }
+  for (auto& [key, peer] : peers_) {
+    if (peer->endpoint) peer->endpoint->finishFlush(deadline);
   }
 }
 

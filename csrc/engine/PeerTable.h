@@ -50,12 +50,10 @@ class PeerTable {
   void appendWatchFds(std::vector<pollfd>& events) const;
   // Dropped while the peer has failed.
   void send(Peer& peer, const ControlMessage& message);
-  // Groups joined from now on wait up to `timeout` for a peer to take what was sent.
-  void raiseFlushBound(std::chrono::milliseconds timeout);
-  // Engine shutdown, the progress thread gone: waits, each endpoint up to its peer's
-  // flushBound, until the peers on other hosts have taken what was sent on the control
+  // Engine shutdown, the progress thread gone: waits, all endpoints at once and up to
+  // `deadline`, until the peers on other hosts have taken what was sent on the control
   // endpoints. Callbacks that run meanwhile find every peer in place.
-  void flush();
+  void flush(Clock::time_point deadline);
   // Closes every control endpoint (engine shutdown).
   void clear();
 
@@ -71,7 +69,6 @@ class PeerTable {
   const ProgressThread& thread_;
   OnFailure onFailure_;
   std::unordered_map<std::string, std::unique_ptr<Peer>> peers_;  // by process key
-  std::chrono::milliseconds flushBound_{0};
 };
 
 }  // namespace smfree::engine

@@ -4,7 +4,7 @@ Each host is a network namespace with an interface `eth0` joined to a bridge in 
 namespace; its ranks run in their own UTS namespace under the host's hostname, so smfree sees
 another host (another hostname) that it reaches over TCP only. Ranks get torchrun's environment
 (MASTER_ADDR is host 0's address; rank 0 serves the store). Faults are injected from outside:
-the host's port on the switch goes down (link flap, cut), is shaped with `tc tbf` (slow
+the host's interface or its port on the switch goes down (link flap, cut), is shaped with `tc tbf` (slow
 link), or the host's ranks are killed. Everything is torn down on exit, also after a failure
 or a timeout: the ranks (every process left in the namespaces is killed), the namespaces and
 with them their interfaces.
@@ -247,11 +247,17 @@ class Hosts:
 
     # ------------------------------------------------------------------ faults
 
-    def link_down(self, host: int) -> float:
-        """Takes the host's link down (both ends); returns when (time.time())."""
+    LINK_ENDS = ("host", "switch", "both")
+
+    def link_down(self, host: int, end: str = "both") -> float:
+        """Takes the host's link down at `end`: the host's own interface (a NIC failing on one
+        side), the switch's port, or both; returns when (time.time())."""
+        assert end in self.LINK_ENDS, end
         when = time.time()
-        _ip("-n", self.switch, "link", "set", self.port(host), "down")
-        _ip("-n", self.namespaces[host], "link", "set", "eth0", "down")
+        if end in ("switch", "both"):
+            _ip("-n", self.switch, "link", "set", self.port(host), "down")
+        if end in ("host", "both"):
+            _ip("-n", self.namespaces[host], "link", "set", "eth0", "down")
         return when
 
     def link_up(self, host: int) -> None:

@@ -1,11 +1,14 @@
 """Faults between emulated hosts, injected from outside the ranks: a link that flaps, a link cut
-for good, a host whose ranks are killed, a slow link, the store's host dying, a sender that
-ends right after its last send. Each test checks every received byte, that the ranks with
-other peers go on, that no rank hangs and none is left behind; it prints one row of the fault
-table (and appends it to $MULTIHOST_FAULT_TABLE, a JSON-lines file, where that is set)."""
+for good (at the host's interface, the switch's port or both; mid-transfer, one way or idle),
+a host whose ranks are killed, a slow link, the store's host dying, a sender that ends right
+after its last send, a sender that leaves while its receiver is stuck. Each test checks every
+received byte, that the ranks with other peers go on, that no rank hangs and none is left
+behind; it prints one row of the fault table (and appends it to $MULTIHOST_FAULT_TABLE, a
+JSON-lines file, where that is set)."""
 
 import json
 import os
+import signal
 import time
 
 import pytest
@@ -93,25 +96,83 @@ def _cut_then_same_host(rank, world):
     return {"cross": cross, "same": same}
 
 
-def test_link_cut_is_reported_naming_the_peer_host_and_ops_with_others_go_on():
+CUT_ENDS = {"host": "host 1's interface", "switch": "host 1's switch port",
+            "both": "both ends of host 1's link"}
+
+
+def assert_cut_reported(error, peer_host, rank):
+    """The cut link failed the rank's op naming the peer's host and the link, rather than as an
+    op unmatched at the group timeout."""
+    assert error is not None, f"rank {rank}: the cut link went unnoticed"
+    assert f"on host {peer_host}" in error, error
+    assert "UCX" in error and "link" in error, error
+    assert GROUP_TIMEOUT_TEXT not in error, f"reported as a timeout: {error}"
+
+
+@pytest.mark.parametrize("end", Hosts.LINK_ENDS)
+def test_link_cut_is_reported_naming_the_peer_host_and_ops_with_others_go_on(end):
     with Hosts(2) as hosts:
         job = hosts.launch(_cut_then_same_host, RANKS_PER_HOST, group_timeout_s=GROUP_TIMEOUT_S)
         job.wait_all_progress(20)
-        injected = hosts.link_down(1)
+        injected = hosts.link_down(1, end)
         values = job.values(JOB_TIMEOUT_S)
-        record("link cut for good", [v["cross"] for v in values], injected)
+        record(f"link cut for good: {CUT_ENDS[end]} down", [v["cross"] for v in values],
+               injected)
         assert hosts.leftover_processes() == []
     for rank, value in enumerate(values):
         cross, same = value["cross"], value["same"]
         assert cross["corrupt"] == 0, cross
-        error = cross["full_error"]
-        assert error is not None, f"rank {rank}: the cut link went unnoticed"
-        peer_host = hosts.hostnames[1 - rank // RANKS_PER_HOST]
-        assert f"on host {peer_host}" in error, error
-        assert "UCX" in error, error
-        assert GROUP_TIMEOUT_TEXT not in error, f"reported as a timeout: {error}"
+        assert_cut_reported(cross["full_error"], hosts.hostnames[1 - rank // RANKS_PER_HOST], rank)
         assert same["error"] is None, same["full_error"]
         assert (same["delivered"], same["corrupt"]) == (20, 0)
+
+
+def _one_way(peer, count, numel, sending):
+    """Like exchanges(), in one direction: this rank only sends, or only receives."""
+    stats = {"sent": 0, "delivered": 0, "corrupt": 0, "error": None, "error_at": None,
+             "full_error": None}
+    for index in range(count):
+        try:
+            if sending:
+                dist.send(payload(dist.get_rank(), index, numel), peer)
+                stats["sent"] += 1
+                continue
+            got = torch.empty(numel, dtype=torch.int32)
+            dist.recv(got, peer)
+        except Exception as error:  # noqa: BLE001 - the test reads it
+            stats.update(error=first_line(error), error_at=time.time(), full_error=str(error))
+            return stats
+        stats["delivered" if intact(got, peer, index) else "corrupt"] += 1
+    return stats
+
+
+def _cut_one_way_or_idle(rank, world, traffic):
+    peer = 1 - rank
+    exchanges(peer, 20, 1 << 14)
+    if traffic == "one_way":
+        # Host 1's rank only receives: its side of the connection holds nothing
+        # unacknowledged when the link goes.
+        return _one_way(peer, 100_000, 1 << 18, sending=rank == 0)
+    while not marked("cut"):  # idle until the link is gone, then exchange
+        time.sleep(0.01)
+    return exchanges(peer, 100, 1 << 14)
+
+
+@pytest.mark.parametrize("traffic", ["one_way", "idle"])
+def test_link_cut_at_one_hosts_interface_one_way_or_idle_is_reported_on_both_sides(traffic):
+    with Hosts(2) as hosts:
+        job = hosts.launch(_cut_one_way_or_idle, 1, traffic, group_timeout_s=GROUP_TIMEOUT_S)
+        job.wait_all_progress(20)
+        time.sleep(0.5)  # one way: mid-stream
+        injected = hosts.link_down(1, "host")
+        mark(job, "cut")
+        values = job.values(JOB_TIMEOUT_S)
+        record(f"host 1's interface down for good, {traffic.replace('_', ' ')}", values,
+               injected)
+        assert hosts.leftover_processes() == []
+    for rank, value in enumerate(values):
+        assert value["corrupt"] == 0, value
+        assert_cut_reported(value["full_error"], hosts.hostnames[1 - rank], rank)
 
 
 # ---------------------------------------------------------------- a host's ranks killed
@@ -253,3 +314,51 @@ def test_store_host_dying_leaves_the_other_hosts_exchanging():
         error = r.value["toward_dead"]["full_error"]
         assert "cannot reach rank 0" in error and "store" in error, error
     assert [r.exit_code for r in results if r.host == 0] == [-9, -9]
+
+
+# ---------------------------------------------------------------- leaving while a peer is stuck
+
+EXIT_TIMEOUT_MS = 3000
+STUCK_GROUP_TIMEOUT_S = 120
+
+
+def _leave_while_receiver_stuck(rank, world, numel):
+    """Host 1's rank stops (SIGSTOP) mid-transfer: alive, its kernel acknowledging, taking
+    nothing more. Host 0's rank leaves without waiting for its send."""
+    exchanges(1 - rank, 2, 1024)
+    if rank == 1:
+        dist.irecv(torch.empty(numel, dtype=torch.int32), 0)
+        time.sleep(1)
+        os.kill(os.getpid(), signal.SIGSTOP)
+    dist.isend(payload(0, 0, numel), 1)
+    time.sleep(2)
+    return {"leaving_at": time.time()}
+
+
+@pytest.mark.parametrize("ending", ["destroy_process_group", "interpreter_exit"])
+def test_leaving_while_a_peer_is_stuck_waits_only_the_exit_timeout(ending):
+    numel = 32 << 20  # 128 MiB: 5 s at 200 Mbit/s, still moving when its receiver stops
+    with Hosts(2) as hosts:
+        hosts.slow_link(1, "200mbit")
+        # The link timeout off: the stuck peer's kernel keeps the connection alive, and only
+        # the exit's bound ends the wait (the group timeout bounded it before).
+        job = hosts.launch(_leave_while_receiver_stuck, 1, numel,
+                           group_timeout_s=STUCK_GROUP_TIMEOUT_S,
+                           env={"SMFREE_EXIT_TIMEOUT_MS": str(EXIT_TIMEOUT_MS),
+                                "SMFREE_LINK_TIMEOUT_MS": "0"},
+                           destroy_group=ending == "destroy_process_group")
+        sender = job.procs[0]
+        try:
+            sender.wait(JOB_TIMEOUT_S)
+        except Exception as error:  # noqa: BLE001 - the sender hung: fail with its log
+            raise AssertionError(f"the sender did not exit within {JOB_TIMEOUT_S} s:\n"
+                                 f"{job._log(0)}") from error
+        exited_at = time.time()
+        result = job._result(0)
+        assert result.error is None and sender.returncode == 0, f"{result.error}\n{result.log}"
+        took = exited_at - result.value["leaving_at"]
+        row = {"ending": ending, "exit_timeout_ms": EXIT_TIMEOUT_MS,
+               "group_timeout_s": STUCK_GROUP_TIMEOUT_S, "left_after_s": round(took, 2)}
+        print(f"\nEXIT ROW {json.dumps(row)}")
+    assert f"on host {hosts.hostnames[1]} had not taken every send" in result.log, result.log
+    assert "SMFREE_EXIT_TIMEOUT_MS" in result.log, result.log

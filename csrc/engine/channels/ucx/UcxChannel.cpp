@@ -134,7 +134,7 @@ void UcxChannel::connect(Peer& peer, const PeerError& onError) {
   // Same host: shared memory and CMA need UCX's peer-failure handling off; the peer's process
   // watch notices a dead peer instead.
   endpoints_[&peer] = std::make_unique<UcxEndpoint>(
-      sendWorker_.handle(), peer.address.receiveWorkerAddress, !peer.sameHost, peer.flushBound,
+      sendWorker_.handle(), peer.address.receiveWorkerAddress, !peer.sameHost, peer.describe(),
       [onError](ucs_status_t status) { onError(ucxPeerErrorText(status)); });
 }
 

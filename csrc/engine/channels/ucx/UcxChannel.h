@@ -71,8 +71,9 @@ class UcxChannel final : public Channel {
   void connect(Peer& peer, const PeerError& onError) override;
   PeerRoute route(Peer& peer) override;
   void disconnect(Peer& peer) override;
-  void flush() override {
-    for (auto& [peer, endpoint] : endpoints_) endpoint->flush();
+  void flush(Clock::time_point deadline) override {
+    for (auto& [peer, endpoint] : endpoints_) endpoint->startFlush();
+    for (auto& [peer, endpoint] : endpoints_) endpoint->finishFlush(deadline);
   }
   bool callsCudaOnProgressThread(const Op& op) const override;
   void progressThreadCallsCuda(const Op& op) override;

@@ -1,6 +1,7 @@
 #include "engine/transports/ucx/UcxEndpoint.h"
 
 #include <chrono>
+#include <utility>
 
 #include "engine/Error.h"
 #include "engine/Log.h"
@@ -9,11 +10,10 @@
 namespace smfree::engine {
 
 UcxEndpoint::UcxEndpoint(ucp_worker_h worker, const std::vector<uint8_t>& address,
-                         bool peerFailureHandling, std::chrono::milliseconds flushBound,
-                         ErrorHandler onError)
+                         bool peerFailureHandling, std::string peerName, ErrorHandler onError)
     : worker_(worker),
       peerFailureHandling_(peerFailureHandling),
-      flushBound_(flushBound),
+      peerName_(std::move(peerName)),
       errorTarget_(std::make_unique<ErrorTarget>(ErrorTarget{std::move(onError)})) {
   ucp_ep_params_t params{};
   params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
@@ -26,6 +26,7 @@ UcxEndpoint::UcxEndpoint(ucp_worker_h worker, const std::vector<uint8_t>& addres
 }
 
 UcxEndpoint::~UcxEndpoint() {
+  if (flushing_) ucp_request_free(flushing_);
   if (close()) return;
   // UCX may still report an error on the endpoint: to a target that stays, and does nothing.
   errorTarget_->onError = nullptr;
@@ -33,9 +34,9 @@ UcxEndpoint::~UcxEndpoint() {
 }
 
 bool UcxEndpoint::close() {
-  // UCX forces a close only where it handles peer failures, and a flush toward a gone peer
-  // would wait out its bound: such an endpoint is left to the worker's destruction.
-  if (peerGone_ && !peerFailureHandling_) return false;
+  // UCX forces a close only where it handles peer failures, and a flush toward a gone or stuck
+  // peer would wait out its bound: such an endpoint is left to the worker's destruction.
+  if ((peerGone_ || flushGivenUp_) && !peerFailureHandling_) return false;
   ucp_request_param_t params{};
   params.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
   params.flags = peerFailureHandling_ ? UCP_EP_CLOSE_FLAG_FORCE : 0;
@@ -46,15 +47,21 @@ bool UcxEndpoint::close() {
   return await(request, std::chrono::steady_clock::now() + std::chrono::seconds(5));
 }
 
-void UcxEndpoint::flush() {
-  if (!peerFailureHandling_ || peerGone_) return;
+void UcxEndpoint::startFlush() {
+  if (!peerFailureHandling_ || peerGone_ || flushGivenUp_ || flushing_) return;
   ucp_request_param_t params{};
   void* request = ucp_ep_flush_nbx(endpoint_, &params);
   // Nothing in flight, or an endpoint that failed: nothing to wait for.
-  if (request == nullptr || UCS_PTR_IS_ERR(request)) return;
-  if (!await(request, std::chrono::steady_clock::now() + flushBound_)) {
-    log(LogLevel::kWarn, "closing a connection whose peer had not taken every send after ",
-        flushBound_.count(), " ms (the group timeout): the rest is dropped");
+  if (request != nullptr && !UCS_PTR_IS_ERR(request)) flushing_ = request;
+}
+
+void UcxEndpoint::finishFlush(std::chrono::steady_clock::time_point deadline) {
+  if (!flushing_) return;
+  void* request = std::exchange(flushing_, nullptr);
+  if (!await(request, deadline)) {
+    flushGivenUp_ = true;
+    log(LogLevel::kWarn, "exit: ", peerName_, " had not taken every send when ",
+        "SMFREE_EXIT_TIMEOUT_MS passed; closing the connection drops the rest");
   }
 }
 

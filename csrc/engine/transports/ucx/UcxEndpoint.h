@@ -19,13 +19,13 @@ class UcxEndpoint {
  public:
   using ErrorHandler = std::function<void(ucs_status_t)>;
 
-  // `flushBound`: how long flush() waits.
+  // `peerName` names the peer in what the endpoint logs ("pid 123 on host node7").
   UcxEndpoint(ucp_worker_h worker, const std::vector<uint8_t>& address, bool peerFailureHandling,
-              std::chrono::milliseconds flushBound, ErrorHandler onError);
+              std::string peerName, ErrorHandler onError);
   // With UCX's failure handling, a forced close, which completes outstanding requests with
-  // UCS_ERR_CANCELED (call flush() first); without, a flush while the peer lives. An endpoint
-  // left open (its peer gone, or its flush past its bound) stays in UCX until the worker goes:
-  // its error target then outlives this object and calls no one.
+  // UCS_ERR_CANCELED (flush first); without, a flush while the peer lives. An endpoint left
+  // open (its peer gone, or its flush given up) stays in UCX until the worker goes: its error
+  // target then outlives this object and calls no one.
   ~UcxEndpoint();
   UcxEndpoint(const UcxEndpoint&) = delete;
   UcxEndpoint& operator=(const UcxEndpoint&) = delete;
@@ -36,11 +36,13 @@ class UcxEndpoint {
   // first message).
   std::optional<std::vector<std::string>> transports() const;
   void peerGone() { peerGone_ = true; }
-  // With UCX's failure handling: waits, progressing the worker, until the peer has taken every
-  // send posted here, the endpoint fails, or `flushBound` passes (logged). Sends whose requests
-  // completed may still be on their way: a forced close alone resets the connection under
-  // them. Without failure handling, the close flushes.
-  void flush();
+  // With UCX's failure handling: asks UCX to flush the endpoint, so that the peer takes every
+  // send posted here. Sends whose requests completed may still be on their way: a forced close
+  // alone resets the connection under them. Without failure handling, the close flushes.
+  void startFlush();
+  // Progresses the worker until the flush started ends, the endpoint fails, or `deadline`
+  // (process exit: what the peer has not taken then is dropped, logged naming the peer).
+  void finishFlush(std::chrono::steady_clock::time_point deadline);
 
  private:
   // What UCX's error callback reaches: held apart from the endpoint, whose lifetime UCX does
@@ -57,8 +59,10 @@ class UcxEndpoint {
   ucp_worker_h worker_;
   ucp_ep_h endpoint_ = nullptr;
   const bool peerFailureHandling_;
-  const std::chrono::milliseconds flushBound_;
+  const std::string peerName_;
   bool peerGone_ = false;
+  bool flushGivenUp_ = false;
+  void* flushing_ = nullptr;  // the flush's request, between startFlush and finishFlush
   std::unique_ptr<ErrorTarget> errorTarget_;
 };
 
