@@ -32,6 +32,29 @@ def test_crossed_isend_before_irecv_unbatched(channel, large):
     assert channel.run(_crossed_unbatched, 2, nbytes // 4) == [True, True]
 
 
+def _all_sends_before_any_recv(rank, world, count):
+    # Both ranks post every send before any recv, then wait for the recvs last first: every op
+    # has a partner, so the program completes whatever the count.
+    dev = rank_device(rank)
+    peer = 1 - rank
+    numels = [1 << (i % 19) for i in range(count)]  # 4 B to 1 MiB, mixed on one tag
+    sends = [dist.isend(torch.full((n,), float(1000 * rank + i), device=dev), peer)
+             for i, n in enumerate(numels)]
+    got = [torch.empty(n, device=dev) for n in numels]
+    recvs = [dist.irecv(buf, peer) for buf in got]
+    for work in reversed(recvs):
+        work.wait()
+    for work in sends:
+        work.wait()
+    synchronize(dev)
+    return [i for i, buf in enumerate(got) if not torch.all(buf == float(1000 * peer + i))]
+
+
+@pytest.mark.parametrize("count", [100, 1000])
+def test_all_sends_before_any_recv_complete_in_order(channel, count):
+    assert channel.run(_all_sends_before_any_recv, 2, count, timeout=150) == [[], []]
+
+
 def _interleaved_tags(rank, world):
     dev = rank_device(rank)
     peer = 1 - rank
