@@ -25,7 +25,8 @@ py::dict doctorReport() {
   try {
     const auto ucx = smfree::engine::ucxReport();
     report["ucx"] = py::dict(py::arg("version") = ucx.version,
-                             py::arg("resources") = ucx.resources);
+                             py::arg("resources") = ucx.resources,
+                             py::arg("tcp_user_timeout") = ucx.tcpUserTimeout);
   } catch (const smfree::engine::Error& error) {
     report["ucx"] = py::dict(py::arg("error") = std::string(error.what()));
   }

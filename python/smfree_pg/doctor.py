@@ -66,6 +66,10 @@ def render(report: dict) -> str:
         lines.append(f"UCX {ucx['version']}: {len(ucx['resources'])} transports")
         lines += [f"  {resource}" for resource in ucx["resources"]]
         lines.append(_other_hosts(ucx))
+        if not ucx["tcp_user_timeout"]:
+            lines.append("this UCX has no TCP user timeout: a link to another host cut during a "
+                         "transfer fails its ops at the group timeout, not after "
+                         "SMFREE_LINK_TIMEOUT_MS (the libucx-cu13 wheel's UCX has it)")
     scope = report["ptrace_scope"]
     if scope not in (None, "0"):
         lines.append(f"kernel.yama.ptrace_scope = {scope}: UCX's CMA and smfree's flag segments "

@@ -48,3 +48,15 @@ def test_text_report_says_how_cuda_tensors_reach_other_hosts():
         assert "UCX has only TCP here" in line and "unstaged" in line
     else:
         assert "UCX has only TCP here, so smfree stages them through pinned host memory" in line
+
+
+def test_text_report_says_whether_a_cut_link_is_noticed_after_the_link_timeout():
+    # The wheel's UCX (1.22) has a TCP user timeout; Debian's 1.13 (CI's system UCX) has not.
+    ucx = json.loads(doctor("--json").stdout)["ucx"]
+    version = tuple(int(part) for part in ucx["version"].split(".")[:2])
+    if version >= (1, 22):
+        assert ucx["tcp_user_timeout"] is True
+    if version <= (1, 13):
+        assert ucx["tcp_user_timeout"] is False
+    said = "this UCX has no TCP user timeout" in doctor().stdout
+    assert said == (not ucx["tcp_user_timeout"])

@@ -6,6 +6,8 @@
 #include <string>
 
 #include "engine/Error.h"
+#include "engine/Log.h"
+#include "engine/transports/ucx/UcxReport.h"
 #include "engine/transports/ucx/UcxStatus.h"
 
 namespace smfree::engine {
@@ -63,6 +65,13 @@ std::unique_ptr<ucp_config_t, ConfigDeleter> readConfig(const Config& config) {
     if (config.linkTimeout.count() > 0) {
       setDefault(owned.get(), "TCP_USER_TIMEOUT", concat(config.linkTimeout.count(), "ms"),
                  tcpKey("USER_TIMEOUT"));
+      if (!ucxHasTcpUserTimeout()) {
+        logOnce("ucx-no-tcp-user-timeout",
+                concat("UCX ", ucp_get_version_string(), " has no TCP user timeout: a link to "
+                       "another host cut during a transfer fails its ops at the group timeout, "
+                       "not after SMFREE_LINK_TIMEOUT_MS (the libucx-cu13 wheel's UCX has it)"),
+                LogLevel::kWarn);
+      }
     }
   }
   return owned;

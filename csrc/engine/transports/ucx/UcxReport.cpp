@@ -1,5 +1,6 @@
 #include "engine/transports/ucx/UcxReport.h"
 
+#include <dlfcn.h>
 #include <ucp/api/ucp.h>
 
 #include <cstdio>
@@ -32,9 +33,14 @@ std::vector<std::string> resourcesIn(const std::string& info) {
 
 }  // namespace
 
+bool ucxHasTcpUserTimeout() {
+  return dlsym(RTLD_DEFAULT, "ucs_tcp_base_set_user_timeout") != nullptr;
+}
+
 UcxReport ucxReport() {
   UcxReport report;
   report.version = ucp_get_version_string();
+  report.tcpUserTimeout = ucxHasTcpUserTimeout();
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES;
   params.features = UCP_FEATURE_TAG | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;

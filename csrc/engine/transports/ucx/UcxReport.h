@@ -10,8 +10,14 @@ namespace smfree::engine {
 struct UcxReport {
   std::string version;
   std::vector<std::string> resources;
+  bool tcpUserTimeout = false;  // ucxHasTcpUserTimeout()
 };
 
 UcxReport ucxReport();
+
+// Whether the loaded UCX can set TCP_USER_TIMEOUT on its sockets (UCX_TCP_USER_TIMEOUT). Older
+// ones (Debian's 1.13) have no such setting and ignore it: a link cut mid-transfer then fails
+// its ops only at the group timeout. Told by the helper UCX sets it with.
+bool ucxHasTcpUserTimeout();
 
 }  // namespace smfree::engine
