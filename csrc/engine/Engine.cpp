@@ -8,6 +8,7 @@
 #include "engine/channels/ucx/UcxChannel.h"
 #include "engine/transports/ucx/UcxContext.h"
 #include "engine/transports/ucx/UcxControl.h"
+#include "engine/transports/ucx/UcxReport.h"
 #include "engine/transports/ucx/UcxWorker.h"
 
 namespace smfree::engine {
@@ -181,6 +182,14 @@ PeerRoute Engine::attachPeer(uint64_t groupId, int rank, const PeerAddress& addr
   const PeerTable::Attached attached = peers_->attach(address);
   group->peers[rank] = attached.peer;
   if (attached.peer->sameHost) spin_.onRanksOnHost(peers_->liveSameHostPeers() + 1);
+  if (!attached.peer->sameHost && config_.linkTimeout.count() > 0 && !ucxHasTcpUserTimeout()) {
+    logOnce("ucx-no-tcp-user-timeout",
+            concat("UCX ", ucp_get_version_string(), " has no TCP user timeout: a link to ",
+                   attached.peer->describe(), " cut during a transfer fails its ops at the "
+                   "group timeout, not after SMFREE_LINK_TIMEOUT_MS (the libucx-cu13 wheel's "
+                   "UCX has it)"),
+            LogLevel::kWarn);
+  }
   if (attached.unreachable) {
     // Its ops are refused, and recvs from any source pass it over, as with a peer that failed
     // later. Its engine is gone for good: a new one would publish a new process key.

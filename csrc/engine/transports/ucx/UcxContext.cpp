@@ -6,7 +6,6 @@
 #include <string>
 
 #include "engine/Error.h"
-#include "engine/Log.h"
 #include "engine/transports/ucx/UcxReport.h"
 #include "engine/transports/ucx/UcxStatus.h"
 
@@ -61,17 +60,11 @@ std::unique_ptr<ucp_config_t, ConfigDeleter> readConfig(const Config& config) {
   if (tcpAllowed()) {
     setDefault(owned.get(), "TCP_TX_SEG_SIZE", "64K", tcpKey("TX_SEG_SIZE"));
     // A connection whose bytes go unacknowledged (a cut link, a host gone) otherwise fails
-    // only after the kernel's retransmissions, about 15 minutes.
-    if (config.linkTimeout.count() > 0) {
+    // only after the kernel's retransmissions, about 15 minutes. A UCX without the setting
+    // would warn of it (the engine says what that means once a peer on another host comes).
+    if (config.linkTimeout.count() > 0 && ucxHasTcpUserTimeout()) {
       setDefault(owned.get(), "TCP_USER_TIMEOUT", concat(config.linkTimeout.count(), "ms"),
                  tcpKey("USER_TIMEOUT"));
-      if (!ucxHasTcpUserTimeout()) {
-        logOnce("ucx-no-tcp-user-timeout",
-                concat("UCX ", ucp_get_version_string(), " has no TCP user timeout: a link to "
-                       "another host cut during a transfer fails its ops at the group timeout, "
-                       "not after SMFREE_LINK_TIMEOUT_MS (the libucx-cu13 wheel's UCX has it)"),
-                LogLevel::kWarn);
-      }
     }
   }
   return owned;
