@@ -12,6 +12,17 @@ namespace {
 
 CUdeviceptr address(void* pointer) { return reinterpret_cast<CUdeviceptr>(pointer); }
 
+// Queues on `chain`: wait until `word` is 1, then take it (0), the wait bracketed by the op's
+// watched word so that a fault can release it (GraphWait).
+void takeWord(CUstream chain, void* waiting, void* word, const char* what) {
+  cuda::runInOrder(chain,
+                   {{cuda::WordOp::kWrite, waiting, GraphWait::kWaiting},
+                    {cuda::WordOp::kWaitEquals, word, 1},
+                    {cuda::WordOp::kWrite, word, 0},
+                    {cuda::WordOp::kWrite, waiting, GraphWait::kIdle}},
+                   what);
+}
+
 }  // namespace
 
 CudaFence CapturedChannel::prepare(Op& op, const PostOptions& options) {
@@ -64,12 +75,7 @@ void CapturedChannel::queueSend(CapturedOp& send) {
   void* waiting = flags_.cudaAddress(send.waiting->get().index);
   void* empty = flags_.cudaAddress(send.empty->get().index);
   const CUstream chain = chains_.join(send.captureId, buffer.device, *send.posted);
-  cuda::runInOrder(chain,
-                   {{cuda::WordOp::kWrite, waiting, GraphWait::kWaiting},
-                    {cuda::WordOp::kWaitEquals, empty, 1},
-                    {cuda::WordOp::kWrite, empty, 0},
-                    {cuda::WordOp::kWrite, waiting, GraphWait::kIdle}},
-                   "cuStreamBatchMemOp (captured send: wait for its slot)");
+  takeWord(chain, waiting, empty, "cuStreamBatchMemOp (captured send: wait for its slot)");
   cuda::check(cuda::driver().cuMemcpyAsync(send.slot->address(), address(buffer.data),
                                            buffer.bytes, chain),
               "cuMemcpyAsync (captured send, into its slot)");
@@ -86,12 +92,8 @@ void CapturedChannel::queueRecv(CapturedOp& recv) {
   void* waiting = flags_.cudaAddress(recv.waiting->get().index);
   void* full = words.cudaAddress(recv.source.full.index);
   const CUstream chain = chains_.join(recv.captureId, buffer.device, *recv.posted);
-  cuda::runInOrder(chain,
-                   {{cuda::WordOp::kWrite, waiting, GraphWait::kWaiting},
-                    {cuda::WordOp::kWaitEquals, full, 1},
-                    {cuda::WordOp::kWrite, full, 0},
-                    {cuda::WordOp::kWrite, waiting, GraphWait::kIdle}},
-                   "cuStreamBatchMemOp (captured recv: wait for its sender's slot)");
+  takeWord(chain, waiting, full,
+           "cuStreamBatchMemOp (captured recv: wait for its sender's slot)");
   const CUdeviceptr slot = recv.sourceSlot->address() +
                            (recv.source.memory.address - recv.source.memory.start());
   cuda::check(cuda::driver().cuMemcpyAsync(address(buffer.data), slot, buffer.bytes, chain),

@@ -34,7 +34,8 @@ std::vector<std::string> resourcesIn(const std::string& info) {
 }  // namespace
 
 bool ucxHasTcpUserTimeout() {
-  return dlsym(RTLD_DEFAULT, "ucs_tcp_base_set_user_timeout") != nullptr;
+  static const bool has = dlsym(RTLD_DEFAULT, "ucs_tcp_base_set_user_timeout") != nullptr;
+  return has;
 }
 
 UcxReport ucxReport() {
