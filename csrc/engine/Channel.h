@@ -136,6 +136,8 @@ class Channel {
 
   // For the pending-op table: what the op still waits for; empty if nothing to say.
   virtual std::string describeWait(const Op& op) const { return {}; }
+  // For the pending-op table's end: the memory the channel holds for peers; empty if none.
+  virtual std::string describeMemory() const { return {}; }
   virtual void addStats(std::map<std::string, int64_t>& stats) const {}
 };
 

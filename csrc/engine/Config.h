@@ -44,6 +44,9 @@ struct Config {
   // Largest CUDA send on the copy engines that goes eagerly, into a slot of its receiver's
   // memory at its post (SMFREE_EAGER_BYTES); 0 turns eager sends off.
   uint64_t eagerBytes;
+  // GPU memory this process gives its senders' staging and eager rings, all devices together
+  // (SMFREE_RING_MEMORY_BYTES); a ring beyond it is not made and its sends go by rendezvous.
+  uint64_t ringMemoryBytes;
   // Size of the pieces in which CUDA tensors cross pinned host memory toward peers UCX reaches
   // over TCP only (SMFREE_HOST_STAGING_PIECE_BYTES); 0 moves each tensor in one piece.
   uint64_t hostStagingPieceBytes;

@@ -171,6 +171,11 @@ std::string Rendezvous::dumpPending(uint64_t groupId) {
       });
     }
   }
+  channels_.forEach([&](const Channel& channel) {
+    if (const std::string memory = channel.describeMemory(); !memory.empty()) {
+      out << "  " << memory << "\n";
+    }
+  });
   return concat(count, " pending:\n", out.str());
 }
 

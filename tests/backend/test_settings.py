@@ -95,7 +95,7 @@ def test_spinning_where_each_polling_thread_has_a_cpu_or_the_user_chose(env):
 
 @pytest.mark.parametrize("name", ["SMFREE_HOST_STAGING_PIECE_BYTES", "SMFREE_STAGING_BYTES",
                                   "SMFREE_EAGER_BYTES", "SMFREE_SPIN_US",
-                                  "SMFREE_EXIT_TIMEOUT_MS"])
+                                  "SMFREE_EXIT_TIMEOUT_MS", "SMFREE_RING_MEMORY_BYTES"])
 @pytest.mark.parametrize("value", ["4M", "-1"])
 def test_a_size_that_is_not_a_count_of_bytes_is_refused_by_name(name, value):
     result = refused(**{name: value})

@@ -1,7 +1,9 @@
 """Eager sends on the copy engines: a small send is copied into its receiver's memory at its
-post, so its wait() returns before the receiver has posted; without a free slot it waits for
-the receiver as before; under one hardware queue nothing deadlocks; a receiver's refusal or a
-timeout reaches the sender after its wait() returned."""
+post, so its wait() returns before the receiver has posted; without a free slot it goes by
+rendezvous, or, claimed eager by its receiver, is copied once the slot is empty: no post waits,
+whatever the posting order and count; under one hardware queue nothing deadlocks; a receiver's
+refusal or a timeout reaches the sender after its wait() returned; the rings' memory is
+bounded."""
 
 import datetime
 
@@ -68,11 +70,16 @@ def test_send_wait_returns_before_its_recv_is_posted(numel, connections):
         assert sends == rounds and recvs == rounds
 
 
+STATS = ("eager_sends", "eager_recvs", "eager_recvs_queued_by_wait", "eager_sends_held",
+         "eager_sends_by_rendezvous")
+
+
 def _more_messages_than_slots(rank, world, count, numel):
-    # A lane holds kEagerSlots messages: the sender's posts beyond them wait for the receiver
-    # to empty slots. The receiver waits for its last recv first, before any send is posted:
-    # that wait() queues every copy out in the lane's order, so no slot is awaited behind the
-    # copy that frees it.
+    # A lane holds kEagerSlots messages. The receiver waits for its last recv first, before
+    # any send is posted, its stream held by a kernel: that wait() claims every message eager
+    # and queues every copy out in the lane's order, so no slot is awaited behind the copy that
+    # frees it; the sends beyond the slots find them full and are held, then copied by the
+    # sender's progress thread as the receiver's GPU empties them.
     dev = torch.device("cuda", rank)
     peer = 1 - rank
     for _ in range(2):  # the lane opens (rendezvous), then its first eager message shows it
@@ -90,6 +97,7 @@ def _more_messages_than_slots(rank, world, count, numel):
     else:
         got = [torch.empty(numel, device=dev) for _ in range(count)]
         works = [dist.irecv(g, peer) for g in got]
+        torch.cuda._sleep(500_000_000)  # keeps the slots full while the sender posts
         works[-1].wait()
         store.set("waited", "1")
         for work in reversed(works[:-1]):
@@ -97,8 +105,7 @@ def _more_messages_than_slots(rank, world, count, numel):
         got = [(g.min().item(), g.max().item()) for g in got]
     synchronize(dev)
     after = backend._stats()
-    return got, {key: after[key] - before[key]
-                 for key in ("eager_sends", "eager_recvs", "eager_recvs_queued_by_wait")}
+    return got, {key: after[key] - before[key] for key in STATS}
 
 
 @pytest.mark.parametrize("connections", ["1", "8"])
@@ -111,8 +118,133 @@ def test_more_messages_than_slots_waited_last_first(connections):
     _, sent = sender
     assert got == [(float(i), float(i)) for i in range(count)]
     assert sent["eager_sends"] == count and received["eager_recvs"] == count
-    # The last recv's wait() found the lane eager, and queued every copy out itself.
+    # The last recv's wait() claimed the lane's messages eager and queued every copy out; the
+    # sends past the first slots found them full and were held, none went by rendezvous.
     assert received["eager_recvs_queued_by_wait"] == count
+    assert sent["eager_sends_held"] == count - 8 and sent["eager_sends_by_rendezvous"] == 0
+
+
+# The program of a user who posts everything first: 18 sends of 4 B to 64 MiB on one tag, 12
+# of them eager-sized, then 18 recvs (as float32 element counts).
+MIXED_18 = [1, 4 << 20, 256, 16 << 10, 8 << 20, 256 << 10, 1 << 20, 16 << 20, 2 << 20, 1,
+            4 << 10, 4 << 20, 64 << 10, 8 << 20, 512 << 10, 3, 16 << 20, 2 << 20]
+
+
+def _posts_before_recvs(rank, world, numels):
+    # Both ranks post every send, then, once both have, every recv, then wait for the recvs
+    # last first and for the sends. The receiver takes nothing before the sender's posts are
+    # done: the lane's 8 slots fill, and its later eager-sized sends go by rendezvous.
+    dev = torch.device("cuda", rank)
+    peer = 1 - rank
+    _warm_up(rank, dev, 1, sender=0)
+    _warm_up(rank, dev, 1, sender=1)
+    backend = dist.group.WORLD._get_backend(dev)
+    before = backend._stats()
+    store = _store()
+    sends = [dist.isend(torch.full((n,), float(1000 * rank + i), device=dev), peer)
+             for i, n in enumerate(numels)]
+    store.set(f"posted/{rank}", "1")
+    store.wait([f"posted/{peer}"])
+    got = [torch.empty(n, device=dev) for n in numels]
+    recvs = [dist.irecv(buf, peer) for buf in got]
+    for work in reversed(recvs):
+        work.wait()
+    for work in sends:
+        work.wait()
+    synchronize(dev)
+    after = backend._stats()
+    wrong = [i for i, buf in enumerate(got) if not torch.all(buf == float(1000 * peer + i))]
+    return wrong, {key: after[key] - before[key] for key in STATS}
+
+
+@pytest.mark.parametrize("connections", ["1", "8"])
+@pytest.mark.parametrize("program", ["mixed-18", "100", "1000"])
+def test_sends_posted_before_any_recv_never_block_their_post(program, connections):
+    COPY_ENGINE.skip_unless_ranks(2)
+    numels = MIXED_18 if program == "mixed-18" else [1 << (i % 19) for i in range(int(program))]
+    eager = sum(1 for n in numels if 4 * n <= EAGER_MAX)
+    for wrong, stats in COPY_ENGINE.run(_posts_before_recvs, 2, numels, timeout=240,
+                                        env={"CUDA_DEVICE_MAX_CONNECTIONS": connections}):
+        assert wrong == []
+        assert stats["eager_sends"] == 8 and stats["eager_sends_held"] == 0
+        assert stats["eager_sends_by_rendezvous"] == eager - 8
+
+
+def _many_lanes(rank, world, tags, rounds):
+    # More lanes than one per tag and group of a pipeline: every tag of two groups, with
+    # any-source recvs on one tag among them, each lane posted ahead of its recvs.
+    dev = torch.device("cuda", rank)
+    peer = 1 - rank
+    other = dist.new_group([0, 1])
+    store = _store()
+    wrong = []
+    for r in range(rounds):  # the first round opens the lanes
+        sends = [dist.isend(torch.full((64,), float(100 * r + 10 * g + t), device=dev), peer,
+                            group=group, tag=t)
+                 for g, group in enumerate((None, other)) for t in range(tags) for _ in range(3)]
+        store.set(f"posted/{r}/{rank}", "1")
+        store.wait([f"posted/{r}/{peer}"])
+        got = {}
+        works = []
+        for g, group in enumerate((None, other)):
+            for t in range(tags):
+                for i in range(3):
+                    buf = torch.empty(64, device=dev)
+                    anysource = g == 1 and t == 0
+                    works.append(dist.irecv(buf, None if anysource else peer, group=group, tag=t))
+                    got[(g, t, i)] = buf
+        for work in reversed(works):
+            work.wait()
+        for work in sends:
+            work.wait()
+        wrong += [key for key, buf in got.items()
+                  if not torch.all(buf == float(100 * r + 10 * key[0] + key[1]))]
+    synchronize(dev)
+    stats = dist.group.WORLD._get_backend(dev)._stats()
+    return wrong, stats["eager_lanes"], stats["eager_sends"]
+
+
+def test_many_tags_and_groups_with_any_source_recvs_all_complete():
+    COPY_ENGINE.skip_unless_ranks(2)
+    tags = 6
+    # Small slots: every lane gets its ring within the default bound.
+    for wrong, lanes, sends in COPY_ENGINE.run(_many_lanes, 2, tags, 3, timeout=180,
+                                               env={"SMFREE_EAGER_BYTES": str(64 << 10)}):
+        assert wrong == []
+        assert lanes == 2 * tags * 2  # both groups' tags, each way: beyond 4 per sending process
+        assert sends > 0
+
+
+def _bounded_rings(rank, world):
+    # Room for one eager ring of 8 x 1 MiB: the lane of tag 0 gets it, tag 1's is refused and
+    # its sends go by rendezvous.
+    dev = torch.device("cuda", rank)
+    peer = 1 - rank
+    for _ in range(2):
+        for tag in (0, 1):
+            if rank == 0:
+                for i in range(4):
+                    dist.send(torch.full((1024,), float(10 * tag + i), device=dev), peer, tag=tag)
+            else:
+                for i in range(4):
+                    buf = torch.empty(1024, device=dev)
+                    dist.recv(buf, peer, tag=tag)
+                    assert buf[0].item() == float(10 * tag + i)
+    synchronize(dev)
+    stats = dist.group.WORLD._get_backend(dev)._stats()
+    import smfree_pg
+    return stats["ring_bytes"], stats["eager_lanes"], smfree_pg.dump_pending()
+
+
+def test_rings_stay_within_their_memory_bound_and_lanes_beyond_go_by_rendezvous():
+    COPY_ENGINE.skip_unless_ranks(2)
+    env = {"SMFREE_RING_MEMORY_BYTES": str(8 << 20), "SMFREE_EAGER_BYTES": str(1 << 20)}
+    sender, receiver = COPY_ENGINE.run(_bounded_rings, 2, env=env)
+    ring_bytes, lanes, pending = receiver
+    assert ring_bytes == 8 << 20
+    assert "rings for peers' sends: cuda:1 8 MiB of 8 MiB (SMFREE_RING_MEMORY_BYTES)" in pending
+    assert lanes == 1  # tag 1's lane has no ring
+    assert sender[0] == 0 and "rings" not in sender[2]
 
 
 def _recv_returns_before_its_send_is_posted(rank, world, numel, rounds):

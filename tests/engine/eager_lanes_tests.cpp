@@ -64,3 +64,59 @@ TEST(oneSideClaimsACopyOut, "eager lanes: the wait() or the match claims a copy 
 }
 
 }  // namespace
+
+namespace {
+
+// A way word in shared memory, as the receiver and the sender each map it.
+struct WayWord {
+  cuda::FlagSegment segment;
+  cuda::Flag way = segment.acquire();
+  cuda::RemoteFlagSegment remote{segment.path()};
+  volatile uint32_t* receiver() { return segment.word(way); }
+  volatile uint32_t* sender() { return remote.word(way); }
+};
+
+TEST(firstSideDecidesAWay, "eager lanes: the first side decides a message's way, the other follows") {
+  WayWord word;
+  // Use 0: the receiver's wait() comes first and claims eager; the sender, whose slot is full,
+  // would have chosen rendezvous, and follows.
+  CHECK(decideWay(word.receiver(), word.way, 0, Way::kEager) == Way::kEager);
+  CHECK(decideWay(word.sender(), word.way, 0, Way::kRendezvous) == Way::kEager);
+  // Use 1: the sender comes first with its slot full; the receiver's claim finds rendezvous.
+  CHECK(decideWay(word.sender(), word.way, 1, Way::kRendezvous) == Way::kRendezvous);
+  CHECK(decideWay(word.receiver(), word.way, 1, Way::kEager) == Way::kRendezvous);
+  // Asked again, a side reads its own decision.
+  CHECK(decideWay(word.sender(), word.way, 1, Way::kEager) == Way::kRendezvous);
+  // A use nobody took (a message too large for a slot) is skipped.
+  CHECK(decideWay(word.sender(), word.way, 3, Way::kRendezvous) == Way::kRendezvous);
+  // The sender ran ahead: the receiver, at use 2, learns only that it is the sender's.
+  CHECK(!decideWay(word.receiver(), word.way, 2, Way::kEager).has_value());
+}
+
+TEST(racedWaysAgree, "eager lanes: raced from two processes' mappings, both sides agree per use") {
+  for (int round = 0; round < 20; ++round) {
+    WayWord word;
+    constexpr uint32_t kUses = 200;
+    std::vector<std::optional<Way>> sent(kUses), received(kUses);
+    std::thread sender([&] {
+      for (uint32_t use = 0; use < kUses; ++use) {
+        sent[use] = decideWay(word.sender(), word.way, use, Way::kRendezvous);
+      }
+    });
+    std::thread receiver([&] {
+      for (uint32_t use = 0; use < kUses; ++use) {
+        received[use] = decideWay(word.receiver(), word.way, use, Way::kEager);
+      }
+    });
+    sender.join();
+    receiver.join();
+    for (uint32_t use = 0; use < kUses; ++use) {
+      // Where a side found the use passed, the other decided it: the receiver only eager.
+      CHECK(sent[use] || received[use]);
+      CHECK(sent[use] || received[use] == Way::kEager);
+      CHECK(!sent[use] || !received[use] || sent[use] == received[use]);
+    }
+  }
+}
+
+}  // namespace

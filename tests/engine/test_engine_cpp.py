@@ -14,6 +14,7 @@ SOURCES = ["Matcher.cpp", "Wire.cpp", "TensorDesc.cpp", "Op.cpp", "Log.cpp", "Co
            "cuda/FlagSegment.cpp", "cuda/CudaDriver.cpp", "cuda/Capture.cpp", "cuda/IpcExport.cpp",
            "cuda/IpcCache.cpp", "cuda/DeviceMemory.cpp", "cuda/Event.cpp", "cuda/Stream.cpp",
            "cuda/StreamMemoryOps.cpp", "channels/copy_engine/StagingRing.cpp",
+           "channels/copy_engine/RingMemory.cpp",
            "channels/copy_engine/EagerLanes.cpp", "channels/captured/GraphWait.cpp",
            "channels/captured/CapturedSlot.cpp"]
 

@@ -89,6 +89,8 @@ class RemoteFlagSegment {
   uint32_t wordOf(const Flag& flag) const { return words_[flag.index]; }
   void set(const Flag& flag) const;
   void* cudaAddress(uint32_t index);  // registers the mapping with CUDA on first use
+  // The word itself, for a compare-and-swap shared with its owner.
+  volatile uint32_t* word(const Flag& flag) const { return words_ + flag.index; }
 
  private:
   volatile uint32_t* words_ = nullptr;

@@ -34,7 +34,7 @@ TITLES = {"smfree": "smfree", "nccl": "NCCL", "gloo": "Gloo"}
 def add_arguments(parser) -> None:
     group = parser.add_argument_group("roundtrip")
     add = group.add_argument
-    add("--roundtrip-sizes", type=parse_sizes, default="4K,32K,256K,1M,8M,64M",
+    add("--roundtrip-sizes", type=parse_sizes, default="4K,32K,256K,1M,8M,16M,32M,64M",
         help="message sizes, comma-separated (default: %(default)s)")
     add("--roundtrip-iters", type=int,
         help=f"round trips per timed loop (default: about {format_size(BYTES_PER_LOOP)} each "

@@ -22,10 +22,12 @@ CudaFence CopyEngineChannel::prepare(Op& op, const PostOptions& options) {
       state->copied = cuda::takeEvent(device);
       state->produced->record(static_cast<CUstream>(op.request.stream));
       if (lanes_.enabled() && !options.peerKey.empty()) {
-        state->eager = lanes_.push(op, laneOf(op, options.peerKey), *state->produced,
-                                   *state->copied, options.timeout);
+        state->eager =
+            lanes_.push(op, laneOf(op, options.peerKey), *state->produced, *state->copied);
         if (state->eager) {
-          flags_.set(state->queued);  // its wait() makes the stream wait for `copied` at once
+          // Its wait() makes the stream wait for `copied` at once; a held one's once the
+          // progress thread has queued its copy.
+          if (!state->eager->after) flags_.set(state->queued);
           eagerSends_.fetch_add(1, std::memory_order_relaxed);
         }
       }

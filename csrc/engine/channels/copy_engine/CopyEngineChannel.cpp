@@ -34,17 +34,18 @@ struct StagedNotice {
 
 CopyEngineChannel::CopyEngineChannel(CudaOps& cudaOps, const ProgressThread& thread,
                                      size_t ipcCacheSize, uint64_t stagingBytes,
-                                     uint64_t eagerBytes, Done onDone, Notify notify,
-                                     Release release)
+                                     uint64_t eagerBytes, uint64_t ringMemoryBytes, Done onDone,
+                                     Notify notify, Release release)
     : cudaOps_(cudaOps),
       thread_(thread),
       flags_(cudaOps.flags()),
       ipc_(ipcCacheSize),
       stagingBytes_(stagingBytes),
+      ringMemory_(ringMemoryBytes),
       onDone_(std::move(onDone)),
       notify_(std::move(notify)),
       release_(std::move(release)),
-      lanes_(cudaOps.flags(), eagerBytes) {}
+      lanes_(cudaOps.flags(), ringMemory_, eagerBytes) {}
 
 bool CopyEngineChannel::reaches(const Peer& peer) const { return peer.sameHost; }
 
@@ -56,10 +57,14 @@ std::shared_ptr<StagingRing> CopyEngineChannel::ringFor(const Peer& source, int 
   auto [it, created] = rings_.try_emplace(RingKey{source.address.processKey, device});
   if (created) {
     try {
-      it->second = std::make_shared<StagingRing>(flags_, device, stagingBytes_, kStagingSlots);
+      it->second = std::make_shared<StagingRing>(
+          flags_, ringMemory_, device, stagingBytes_, kStagingSlots, false,
+          concat("staging ring of ", kStagingSlots, " x ", stagingBytes_, " B for sends from ",
+                 source.describe()));
     } catch (const Error& error) {
-      log(LogLevel::kInfo, "no staging ring on cuda:", device, " for sends from ",
-          source.describe(), " (", error.what(), "): they wait for this process's streams");
+      RingMemory::refused(concat("no staging ring on cuda:", device, " for sends from ",
+                         source.describe(), " (", reasonOf(error),
+                         "): they wait for this process's streams"));
     }
   }
   return it->second;
@@ -76,6 +81,10 @@ std::string CopyEngineChannel::armRecv(const std::shared_ptr<Op>& recv, Peer& so
   thread_.check("CopyEngineChannel::armRecv");
   if (!announced.empty()) return armEager(recv, source, announced);
   const CopyEngineOp& state = copyEngineOp(*recv);
+  if (state.eagerRecv && !state.eagerRecv->claimBy(EagerRecv::kByProgress)) {
+    fail(recv->describe(), " expected its message in an eager slot, and its sender sent it by "
+         "rendezvous (the two sides' sizes differ)");
+  }
   const Buffer& buffer = recv->request.buffer;
   std::string destination;
   exporter_.exportBuffer(buffer.data, buffer.bytes, buffer.device, source.address.processKey)
@@ -378,6 +387,9 @@ bool CopyEngineChannel::progress() {
 bool CopyEngineChannel::finishMove(Transfer& transfer) {
   Op& op = *transfer.op;
   const CopyEngineOp& state = copyEngineOp(op);
+  if (transfer.held && !(op.isSend() ? fillHeld(transfer) : copyOutOnceFull(transfer))) {
+    return false;
+  }
   if (op.isSend()) {
     Status status = Status::success();
     try {
@@ -433,11 +445,16 @@ void CopyEngineChannel::cancel(Op& op) {
       return;
     }
   }
-  for (Transfer& send : moving_) {
-    if (send.op.get() == &op) {
-      if (!send.slot) releaseReadiness(send);  // a staged copy waits for nothing of the receiver's
-      return;
+  for (auto it = moving_.begin(); it != moving_.end(); ++it) {
+    if (it->op.get() != &op) continue;
+    if (it->held) {
+      abandon(it, Status::failure(StatusCode::kAborted,
+                                  concat(op.describe(), " failed before its eager slot was "
+                                         "emptied by its receiver")));
+    } else if (!it->slot) {
+      releaseReadiness(*it);  // a staged copy waits for nothing of the receiver's
     }
+    return;
   }
 }
 
@@ -484,6 +501,8 @@ void CopyEngineChannel::peerFailed(Peer& peer) {
   for (auto it = moving_.begin(); it != moving_.end();) {
     if (it->peer != &peer) {
       ++it;
+    } else if (it->op->isSend() && it->held) {
+      it = abandon(it, gone);  // its copy was never queued
     } else if (it->op->isSend()) {
       if (!it->slot) releaseReadiness(*it);  // our copy into its (still mapped) memory finishes
       ++it;
@@ -550,6 +569,7 @@ std::string CopyEngineChannel::describeWait(const Op& op) const {
     if (send.op.get() == &op && send.slot) {
       text += concat(send.eager ? ", eager in slot " : ", staged in slot ", send.slot->slot,
                      " use ", send.slot->use);
+      if (send.held) text += ", held until its receiver empties the slot's use before";
     } else if (send.op.get() == &op) {
       const cuda::Flag& theirs = send.clearance->header.ready;
       text += concat(", peer ", flag("ready", send.peerFlags->wordOf(theirs), theirs));
@@ -572,6 +592,14 @@ void CopyEngineChannel::addStats(std::map<std::string, int64_t>& stats) const {
   stats["eager_sends"] = static_cast<int64_t>(eagerSends_.load(std::memory_order_relaxed));
   stats["eager_recvs"] = static_cast<int64_t>(eagerRecvs_);
   stats["eager_recvs_queued_by_wait"] = lanes_.queuedByWait();
+  stats["eager_sends_held"] = lanes_.heldSends();
+  stats["eager_sends_by_rendezvous"] = lanes_.rendezvousSends();
+  stats["ring_bytes"] = static_cast<int64_t>(ringMemory_.taken());
+}
+
+std::string CopyEngineChannel::describeMemory() const {
+  if (ringMemory_.taken() == 0) return {};
+  return concat("rings for peers' sends: ", ringMemory_.describe());
 }
 
 CUstream CopyEngineChannel::dmaStream(int localDevice, int peerDevice) {

@@ -46,9 +46,12 @@ namespace smfree::engine {
 // Eager lanes (EagerLanes.h): a send of up to SMFREE_EAGER_BYTES on a lane its receiver has
 // opened is copied at its post, on the caller's thread, into the lane's slot for its number;
 // its `queued` is set at once, so its wait() returns at once. A recv's wait() that can tell
-// from the lane that its message is eager queues the copy out itself, on its stream, without
-// waiting for the sender. Otherwise the progress thread queues it at the match (wait for
-// `ready` and the slot's `full`, copy, write `done` and `emptied`), as for a staged send.
+// from the lane that its message can be eager claims it so and queues the copy out itself, on
+// its stream, without waiting for the sender. Otherwise the progress thread queues it at the
+// match (wait for `ready` and the slot's `full`, copy, write `done` and `emptied`), as for a
+// staged send. A send whose slot is still full at its post goes by rendezvous, or, where the
+// receiver's wait() claimed it eager, is held: the progress thread copies it once the slot is
+// empty, and its `queued` waits for that.
 class CopyEngineChannel final : public Channel {
  public:
   // Sends a ChannelNotice's data to a peer.
@@ -58,8 +61,8 @@ class CopyEngineChannel final : public Channel {
   using Release = std::function<void(const std::string&, std::vector<uint64_t>)>;
 
   CopyEngineChannel(CudaOps& cudaOps, const ProgressThread& thread, size_t ipcCacheSize,
-                    uint64_t stagingBytes, uint64_t eagerBytes, Done onDone, Notify notify,
-                    Release release);
+                    uint64_t stagingBytes, uint64_t eagerBytes, uint64_t ringMemoryBytes,
+                    Done onDone, Notify notify, Release release);
 
   // Caller's thread (CopyEngineCaller.cpp).
   CudaFence prepare(Op& op, const PostOptions& options) override;
@@ -95,6 +98,7 @@ class CopyEngineChannel final : public Channel {
   }
   // Which flags an op still waits for, as "name index:word/wanted".
   std::string describeWait(const Op& op) const override;
+  std::string describeMemory() const override;
   void addStats(std::map<std::string, int64_t>& stats) const override;
 
  private:
@@ -124,6 +128,10 @@ class CopyEngineChannel final : public Channel {
     std::optional<StagedSlot> slot;            // staged and eager sends, and those recvs
     bool eager = false;                        // sends: copied at the post
     bool cleared = false;                      // eager sends: the receiver took the slot
+    // Eager sends whose copy waits for the slot (EagerLanes::fill); recvs of such a send
+    // whose copy out waits, unqueued, for the slot's `full` (copies out wait for submitted
+    // copies only).
+    bool held = false;
     // Recvs whose copy out their caller's wait() queues: moving until that has run.
     std::shared_ptr<EagerRecv> callerCopiesOut;
   };
@@ -144,6 +152,10 @@ class CopyEngineChannel final : public Channel {
   // A recv whose caller claimed its copy out failed: lets that copy run (into a failed recv)
   // or, where it was not queued, empties the slot.
   void releaseEagerRecv(EagerRecv& recv);
+  // A held eager send: queues its copy once the slot is empty; false until then.
+  bool fillHeld(Transfer& send);
+  // A recv of a held eager send: queues its copy out once the slot is full; false until then.
+  bool copyOutOnceFull(Transfer& recv);
 
   void submitDirect(Transfer send);
   void submitStaged(Transfer send, const StagedSlot& slot);
@@ -172,6 +184,7 @@ class CopyEngineChannel final : public Channel {
   cuda::IpcExporter exporter_;
   cuda::IpcCache ipc_;
   uint64_t stagingBytes_;
+  RingMemory ringMemory_;  // before the rings, which give their share back to it
   Done onDone_;
   Notify notify_;
   Release release_;

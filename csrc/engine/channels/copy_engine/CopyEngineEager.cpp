@@ -13,20 +13,25 @@
 namespace smfree::engine {
 namespace {
 
-// An eager send's announcement data: which slot of its lane's ring holds it.
+// An eager send's announcement data: which slot of its lane's ring holds it, and whether its
+// copy was held at the post (the slot still full).
 struct EagerNotice {
   int32_t ringDevice;
   uint32_t slot;
   uint32_t use;
-  uint32_t unused;
+  uint32_t held;
 };
 
-EagerSlot readEagerNotice(const std::string& data, const Peer& source) {
+EagerNotice readEagerNotice(const std::string& data, const Peer& source) {
   EagerNotice notice{};
   if (data.size() != sizeof(notice)) {
     fail("malformed eager announcement (", data.size(), " B) from ", source.describe());
   }
   std::memcpy(&notice, data.data(), sizeof(notice));
+  return notice;
+}
+
+EagerSlot slotOf(const EagerNotice& notice) {
   return EagerSlot{StagedSlot{notice.slot, notice.use}, notice.ringDevice};
 }
 
@@ -35,8 +40,9 @@ EagerSlot readEagerNotice(const std::string& data, const Peer& source) {
 std::string CopyEngineChannel::announce(const Op& send) {
   const CopyEngineOp& state = copyEngineOp(send);
   if (!state.eager) return {};
-  const EagerNotice notice{state.eager->device, state.eager->staged.slot,
-                           state.eager->staged.use, 0};
+  const EagerSlot& slot = state.eager->slot;
+  const EagerNotice notice{slot.device, slot.staged.slot, slot.staged.use,
+                           state.eager->after ? 1u : 0u};
   return std::string(reinterpret_cast<const char*>(&notice), sizeof(notice));
 }
 
@@ -44,7 +50,11 @@ void CopyEngineChannel::prepareSend(const std::shared_ptr<Op>& send, Peer& desti
   const CopyEngineOp& state = copyEngineOp(*send);
   if (!state.eager) return;
   // Its copy holds the buffer until `copied`; the op ends once its receiver has also cleared it.
-  Transfer transfer{.op = send, .peer = &destination, .slot = state.eager->staged, .eager = true};
+  Transfer transfer{.op = send,
+                    .peer = &destination,
+                    .slot = state.eager->slot.staged,
+                    .eager = true,
+                    .held = state.eager->after.has_value()};
   ++send->outstanding;
   moving_.push_back(std::move(transfer));
 }
@@ -79,7 +89,8 @@ void CopyEngineChannel::announced(Peer& source, const ReadyToSend& rts) {
 
 std::string CopyEngineChannel::armEager(const std::shared_ptr<Op>& recv, Peer& source,
                                         const std::string& announced) {
-  const EagerSlot eager = readEagerNotice(announced, source);
+  const EagerNotice notice = readEagerNotice(announced, source);
+  const EagerSlot eager = slotOf(notice);
   const std::shared_ptr<StagingRing> ring = lanes_.ring(laneOf(*recv, source.address.processKey));
   if (!ring || ring->device() != eager.device || eager.staged.slot >= ring->slots()) {
     fail(recv->describe(), " matched an eager send whose slot (cuda:", eager.device, " slot ",
@@ -100,13 +111,65 @@ std::string CopyEngineChannel::armEager(const std::shared_ptr<Op>& recv, Peer& s
     }
     return {};
   }
+  Transfer transfer{.op = recv, .peer = &source, .ring = ring, .slot = eager.staged};
+  if (notice.held) {
+    // Its copy is not queued yet: a copy out queued now would wait for unsubmitted work.
+    transfer.held = true;
+    moving_.push_back(std::move(transfer));
+    return {};
+  }
   {
     cuda::ContextGuard context(ring->device());
     enqueueCopyOut(*recv, *ring, eager.staged, copyOutStream(ring->device()));
   }
-  moving_.push_back(Transfer{.op = recv, .peer = &source, .ring = ring, .slot = eager.staged});
+  moving_.push_back(std::move(transfer));
   flags_.set(state.queued);
   return {};
+}
+
+bool CopyEngineChannel::fillHeld(Transfer& send) {
+  Op& op = *send.op;
+  CopyEngineOp& state = copyEngineOp(op);
+  try {
+    if (!lanes_.fill(op, laneOf(op, send.peer->address.processKey), *state.eager,
+                     *state.produced, *state.copied)) {
+      return false;
+    }
+  } catch (const Error& error) {
+    send.held = false;
+    state.copied->markReached();  // never recorded: nothing will run
+    onDone_(send.op, Status::failure(StatusCode::kTransport, std::string(reasonOf(error))));
+    return true;  // finishMove ends it: `copied` reads reached
+  }
+  send.held = false;
+  flags_.set(state.queued);
+  return true;
+}
+
+bool CopyEngineChannel::copyOutOnceFull(Transfer& recv) {
+  Op& op = *recv.op;
+  if (!flags_.isSet(recv.ring->full(*recv.slot))) {
+    if (!op.finished()) return false;
+    // It failed and the sender's copy never came: it ends without one; the slot stays full
+    // for the lane's end.
+    recv.held = false;
+    flags_.set(copyEngineOp(op).done.plus(kSenderGaveUp));
+    flags_.set(copyEngineOp(op).queued);
+    return true;
+  }
+  try {
+    cuda::ContextGuard context(recv.ring->device());
+    enqueueCopyOut(op, *recv.ring, *recv.slot, copyOutStream(recv.ring->device()));
+  } catch (const Error& error) {
+    recv.held = false;
+    flags_.set(copyEngineOp(op).done.plus(kSenderGaveUp));
+    flags_.set(copyEngineOp(op).queued);
+    onDone_(recv.op, Status::failure(StatusCode::kTransport, std::string(reasonOf(error))));
+    return true;
+  }
+  recv.held = false;
+  flags_.set(copyEngineOp(op).queued);
+  return true;
 }
 
 void CopyEngineChannel::discard(Peer& source, const ReadyToSend& rts, Op* recv) {
@@ -117,7 +180,7 @@ void CopyEngineChannel::discard(Peer& source, const ReadyToSend& rts, Op* recv) 
     if (eagerRecv && !eagerRecv->claimBy(EagerRecv::kByProgress)) return;
   }
   try {
-    const EagerSlot eager = readEagerNotice(rts.channelData, source);
+    const EagerSlot eager = slotOf(readEagerNotice(rts.channelData, source));
     const auto ring = lanes_.ring(LaneKey{source.address.processKey, rts.group, rts.tag});
     if (!ring || eager.staged.slot >= ring->slots()) return;
     cuda::ContextGuard context(ring->device());

@@ -33,8 +33,9 @@ struct CopyEngineOp final : OpChannelState {
   // Send: recorded on the DMA stream after the copy; user streams wait on it.
   std::shared_ptr<cuda::Event> copied;
 
-  // Eager send: the slot of its receiver's lane that its copy, queued at the post, fills.
-  std::optional<EagerSlot> eager;
+  // Eager send: the slot of its receiver's lane that its copy, queued at the post (or held
+  // until the slot is empty), fills.
+  std::optional<EagerSend> eager;
   // Recv whose place in its lane is known: its wait() may queue its copy out (EagerLanes.h).
   std::shared_ptr<EagerRecv> eagerRecv;
 };

@@ -16,67 +16,105 @@ EagerSlot eagerSlotOf(uint64_t seq, int device) {
                    device};
 }
 
+std::optional<Way> decideWay(volatile uint32_t* word, const cuda::Flag& way, uint32_t use,
+                             Way mine) {
+  uint32_t* plain = const_cast<uint32_t*>(word);
+  const uint32_t eager = way.value + 2 * use;
+  uint32_t seen = __atomic_load_n(plain, __ATOMIC_ACQUIRE);
+  while (!cuda::reached(seen, eager)) {
+    const uint32_t decided = eager + static_cast<uint32_t>(mine);
+    if (__atomic_compare_exchange_n(plain, &seen, decided, false, __ATOMIC_ACQ_REL,
+                                    __ATOMIC_ACQUIRE)) {
+      return mine;
+    }
+  }
+  if (seen - eager > 1) return std::nullopt;
+  return seen == eager ? Way::kEager : Way::kRendezvous;
+}
+
+bool EagerRecv::mayBeEager() const {
+  const int known = way.load();
+  return known == static_cast<int>(Way::kUndecided) || known == static_cast<int>(Way::kEager);
+}
+
 bool EagerRecv::claimBy(Claim who) {
   int open = kOpen;
   return claim.compare_exchange_strong(open, who) || open == who;
 }
 
-EagerLanes::EagerLanes(cuda::FlagSegment& flags, uint64_t slotBytes)
-    : flags_(flags), slotBytes_(slotBytes) {}
+EagerLanes::EagerLanes(cuda::FlagSegment& flags, RingMemory& memory, uint64_t slotBytes)
+    : flags_(flags), memory_(memory), slotBytes_(slotBytes) {}
 
-std::optional<EagerSlot> EagerLanes::push(const Op& op, const LaneKey& lane,
-                                          cuda::Event& produced, cuda::Event& copied,
-                                          std::chrono::milliseconds timeout) {
+std::optional<EagerSend> EagerLanes::push(const Op& op, const LaneKey& lane,
+                                          cuda::Event& produced, cuda::Event& copied) {
   std::shared_ptr<Outgoing> out;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     const auto known = outgoing_.find(lane);
     if (known == outgoing_.end()) return std::nullopt;  // its first clear-to-send is to come
-    // From here on every message of the lane that fits is eager: its receiver relies on it.
     out = known->second;
   }
   const Buffer& buffer = op.request.buffer;
   if (buffer.bytes == 0 || buffer.bytes > out->ring->slotBytes()) return std::nullopt;
   const EagerSlot eager = eagerSlotOf(op.seq, out->ring->device());
-  awaitSlot(op, *out, eager.staged, timeout);
+  const std::optional<uint32_t> last = out->last[eager.staged.slot];
+  const bool empty =
+      !last || out->words->isSet(slotEmptied(out->ring->wordOf(eager.staged.slot), *last));
+  const cuda::Flag& wayWord = out->ring->wayOf(eager.staged.slot);
+  const Way way = decideWay(out->words->word(wayWord), wayWord, eager.staged.use,
+                            empty ? Way::kEager : Way::kRendezvous)
+                      .value_or(Way::kEager);
+  if (way == Way::kRendezvous) {
+    rendezvousSends_.fetch_add(1, std::memory_order_relaxed);
+    return std::nullopt;
+  }
+  out->last[eager.staged.slot] = eager.staged.use;
+  if (!empty) {
+    // The receiver's wait() claimed it, and queued the copy out of `last` before: fill().
+    heldSends_.fetch_add(1, std::memory_order_relaxed);
+    return EagerSend{eager, last};
+  }
+  enqueueFill(*out, eager, buffer, produced, copied);
+  return EagerSend{eager, std::nullopt};
+}
+
+bool EagerLanes::fill(const Op& op, const LaneKey& lane, const EagerSend& send,
+                      cuda::Event& produced, cuda::Event& copied) {
+  std::shared_ptr<Outgoing> out;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto known = outgoing_.find(lane);
+    if (known == outgoing_.end()) {
+      fail(op.describe(), " failed: its receiver's eager ring is gone");
+    }
+    out = known->second;
+  }
+  const uint32_t slot = send.slot.staged.slot;
+  if (send.after && !out->words->isSet(slotEmptied(out->ring->wordOf(slot), *send.after))) {
+    return false;
+  }
+  enqueueFill(*out, send.slot, op.request.buffer, produced, copied);
+  return true;
+}
+
+void EagerLanes::enqueueFill(Outgoing& lane, const EagerSlot& eager, const Buffer& buffer,
+                             cuda::Event& produced, cuda::Event& copied) {
   cuda::ContextGuard context(buffer.device);
   CUstream copyStream = nullptr;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     copyStream = stream(buffer.device, eager.device);
   }
-  // `produced` was just recorded; the slot is empty. No wait for anything of the receiver's.
+  // `produced` is recorded; the slot is empty. No wait for anything of the receiver's.
   produced.waitOn(copyStream);
-  cuda::check(cuda::driver().cuMemcpyAsync(out->ring->slotAddress(eager.staged, buffer.device),
+  cuda::check(cuda::driver().cuMemcpyAsync(lane.ring->slotAddress(eager.staged, buffer.device),
                                            reinterpret_cast<CUdeviceptr>(buffer.data),
                                            buffer.bytes, copyStream),
               "cuMemcpyAsync (to an eager slot)");
   copied.record(copyStream);
-  const cuda::Flag full = out->ring->full(eager.staged);
-  cuda::writeWord(copyStream, out->words->cudaAddress(full.index), full.value,
+  const cuda::Flag full = lane.ring->full(eager.staged);
+  cuda::writeWord(copyStream, lane.words->cudaAddress(full.index), full.value,
                   "cuStreamWriteValue32 (eager slot full)");
-  out->last[eager.staged.slot] = eager.staged.use;
-  return eager;
-}
-
-void EagerLanes::awaitSlot(const Op& op, const Outgoing& lane, const StagedSlot& slot,
-                           std::chrono::milliseconds timeout) {
-  const std::optional<uint32_t> last = lane.last[slot.slot];
-  if (!last) return;
-  const cuda::Flag emptied = slotEmptied(lane.ring->wordOf(slot.slot), *last);
-  if (lane.words->isSet(emptied)) return;
-  // The receiver's GPU empties it once the recv of message seq - kEagerSlots is waited for.
-  const auto deadline = Clock::now() + timeout;
-  auto nap = std::chrono::microseconds(1);
-  while (!lane.words->isSet(emptied)) {
-    if (Clock::now() >= deadline) {
-      fail(op.describe(), " failed: its receiver has not taken the message ", kEagerSlots,
-           " before it on this tag (eager slot ", slot.slot, ") within the group timeout of ",
-           timeout.count(), " ms");
-    }
-    std::this_thread::sleep_for(nap);
-    nap = std::min(nap * 2, std::chrono::microseconds(20));
-  }
 }
 
 CUstream EagerLanes::stream(int localDevice, int ringDevice) {
@@ -90,7 +128,7 @@ CUstream EagerLanes::stream(int localDevice, int ringDevice) {
 
 void EagerLanes::open(const LaneKey& lane, std::shared_ptr<RemoteStagingRing> ring,
                       cuda::RemoteFlagSegment& words) {
-  if (!enabled() || ring->slots() != kEagerSlots) return;
+  if (!enabled() || ring->slots() != kEagerSlots || !ring->hasWays()) return;
   // Registered here, once: callers' threads then only read the segment's CUDA address.
   words.cudaAddress(0);
   std::lock_guard<std::mutex> lock(mutex_);
@@ -106,18 +144,16 @@ std::shared_ptr<StagingRing> EagerLanes::ringFor(const LaneKey& lane, int device
   if (!enabled()) return nullptr;
   std::lock_guard<std::mutex> lock(mutex_);
   if (const auto known = incoming_.find(lane); known != incoming_.end()) return known->second.ring;
-  const size_t fromPeer = std::count_if(incoming_.begin(), incoming_.end(), [&](const auto& in) {
-    return in.first.peer == lane.peer;
-  });
-  if (fromPeer >= kLanesPerPeer) return nullptr;
   Incoming& in = incoming_[lane];
   try {
-    in.ring = std::make_shared<StagingRing>(flags_, device, slotBytes_, kEagerSlots);
-    log(LogLevel::kInfo, "eager ring of ", kEagerSlots, " x ", slotBytes_, " B on cuda:", device,
-        " for group ", lane.group, " tag ", lane.tag, " from ", lane.peer);
+    in.ring = std::make_shared<StagingRing>(
+        flags_, memory_, device, slotBytes_, kEagerSlots, true,
+        concat("eager ring of ", kEagerSlots, " x ", slotBytes_, " B for group ", lane.group,
+               " tag ", lane.tag, " from ", lane.peer));
   } catch (const Error& error) {
-    log(LogLevel::kInfo, "no eager ring on cuda:", device, " for group ", lane.group, " tag ",
-        lane.tag, " from ", lane.peer, " (", error.what(), "): its sends wait for the recvs");
+    RingMemory::refused(concat("no eager ring on cuda:", device, " for group ", lane.group,
+                               " tag ", lane.tag, " from ", lane.peer, " (", reasonOf(error),
+                               "): its sends go by rendezvous"));
   }
   return in.ring;
 }
@@ -140,21 +176,18 @@ void EagerLanes::posted(const std::shared_ptr<EagerRecv>& recv) {
   // Forgets, from the front, the recvs whose copy out is claimed or which are gone.
   while (!line.empty()) {
     const auto front = line.begin()->second.lock();
-    if (front && front->claim.load() == EagerRecv::kOpen) break;
+    if (front && front->claim.load() == EagerRecv::kOpen && front->mayBeEager()) {
+      break;
+    }
     line.erase(line.begin());
   }
   line.emplace(recv->seq, recv);
 }
 
-std::shared_ptr<StagingRing> EagerLanes::predict(const EagerRecv& recv) const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return predictLocked(recv);
-}
-
 std::shared_ptr<StagingRing> EagerLanes::predictLocked(const EagerRecv& recv) const {
   const auto known = incoming_.find(recv.lane);
   if (known == incoming_.end() || !known->second.ring) return nullptr;
-  // Every message from the first eager one on is eager if it fits, as the recv does.
+  // From the first eager message on, every message that fits can be eager, as the recv does.
   if (recv.seq < known->second.firstEager || recv.buffer.bytes == 0 ||
       recv.buffer.bytes > known->second.ring->slotBytes()) {
     return nullptr;
@@ -162,9 +195,37 @@ std::shared_ptr<StagingRing> EagerLanes::predictLocked(const EagerRecv& recv) co
   return known->second.ring;
 }
 
-bool EagerLanes::claimable(const EagerRecv& recv) const {
+Way EagerLanes::decideLocked(EagerRecv& recv, const StagingRing& ring) {
+  const int known = recv.way.load();
+  if (known != static_cast<int>(Way::kUndecided)) return static_cast<Way>(known);
+  const EagerSlot eager = eagerSlotOf(recv.seq, ring.device());
+  const cuda::Flag& wayWord = ring.wayOf(eager.staged.slot);
+  const Way way = decideWay(flags_.word(wayWord), wayWord, eager.staged.use, Way::kEager)
+                      .value_or(Way::kAsAnnounced);
+  recv.way.store(static_cast<int>(way));
+  return way;
+}
+
+void EagerLanes::decideEarlierLocked(const EagerRecv& recv) {
+  for (auto& [seq, weak] : posted_[recv.lane]) {
+    if (seq >= recv.seq) break;
+    const auto other = weak.lock();
+    if (!other || other->claim.load() != EagerRecv::kOpen) continue;
+    if (const auto ring = predictLocked(*other)) decideLocked(*other, *ring);
+  }
+}
+
+bool EagerLanes::claimable(EagerRecv& recv) {
   const int claim = recv.claim.load();
-  return claim == EagerRecv::kByCaller || (claim == EagerRecv::kOpen && predict(recv));
+  if (claim == EagerRecv::kByCaller) return true;
+  if (claim != EagerRecv::kOpen || !recv.mayBeEager()) {
+    return false;
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  const auto ring = predictLocked(recv);
+  if (!ring) return false;
+  decideEarlierLocked(recv);
+  return decideLocked(recv, *ring) == Way::kEager;
 }
 
 bool EagerLanes::queueCopiesOut(EagerRecv& recv, CUstream stream) {
@@ -174,10 +235,13 @@ bool EagerLanes::queueCopiesOut(EagerRecv& recv, CUstream stream) {
     std::lock_guard<std::mutex> lock(mutex_);
     ring = predictLocked(recv);
     if (!ring) return false;
+    decideEarlierLocked(recv);
+    if (decideLocked(recv, *ring) != Way::kEager) return false;
     auto& line = posted_[recv.lane];
     for (auto it = line.begin(); it != line.end() && it->first < recv.seq;) {
       auto other = it->second.lock();
-      if (other && other->claim.load() == EagerRecv::kOpen) {
+      if (other && other->claim.load() == EagerRecv::kOpen &&
+          other->way.load() == static_cast<int>(Way::kEager)) {
         if (auto otherRing = predictLocked(*other)) earlier.emplace_back(other, otherRing);
       }
       it = line.erase(it);
@@ -243,7 +307,9 @@ void EagerLanes::dropPeer(const std::string& processKey) {
 
 int64_t EagerLanes::lanes() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  return static_cast<int64_t>(incoming_.size() + outgoing_.size());
+  const auto withRing = std::count_if(incoming_.begin(), incoming_.end(),
+                                      [](const auto& in) { return in.second.ring != nullptr; });
+  return static_cast<int64_t>(withRing + outgoing_.size());
 }
 
 }  // namespace smfree::engine

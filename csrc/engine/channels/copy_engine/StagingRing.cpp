@@ -8,11 +8,12 @@
 namespace smfree::engine {
 namespace {
 
-// The fixed part of a ring on the wire; its slot words, then its memory's export, follow.
+// The fixed part of a ring on the wire; its slot words, its way words (if `ways`), then its
+// memory's export, follow.
 struct RingHeader {
   uint64_t slotBytes;
   uint32_t slots;
-  uint32_t unused;
+  uint32_t ways;  // 0 or 1
 };
 
 }  // namespace
@@ -21,17 +22,25 @@ cuda::Flag slotFull(const cuda::Flag& word, uint32_t use) { return word.plus(2 *
 
 cuda::Flag slotEmptied(const cuda::Flag& word, uint32_t use) { return word.plus(2 * use + 1); }
 
-StagingRing::StagingRing(cuda::FlagSegment& flags, int device, uint64_t slotBytes,
-                         uint32_t slots)
-    : flags_(flags), slotBytes_(slotBytes), memory_(device, slotBytes * slots) {
+StagingRing::StagingRing(cuda::FlagSegment& flags, RingMemory& memory, int device,
+                         uint64_t slotBytes, uint32_t slots, bool ways, const std::string& what)
+    : flags_(flags),
+      slotBytes_(slotBytes),
+      share_(memory.take(device, slotBytes * slots, what)),
+      memory_(device, slotBytes * slots) {
   for (uint32_t slot = 0; slot < slots; ++slot) words_.push_back(flags_.acquire());
+  if (ways) {
+    for (uint32_t slot = 0; slot < slots; ++slot) ways_.push_back(flags_.acquire());
+  }
   exported_ = memory_.exportIpc();
 }
 
 void StagingRing::appendTo(std::string& out) const {
-  const RingHeader header{slotBytes_, static_cast<uint32_t>(words_.size()), 0};
+  const RingHeader header{slotBytes_, static_cast<uint32_t>(words_.size()),
+                          ways_.empty() ? 0u : 1u};
   out.append(reinterpret_cast<const char*>(&header), sizeof(header));
   out.append(reinterpret_cast<const char*>(words_.data()), words_.size() * sizeof(cuda::Flag));
+  out.append(reinterpret_cast<const char*>(ways_.data()), ways_.size() * sizeof(cuda::Flag));
   exported_.appendTo(out);
 }
 
@@ -53,8 +62,9 @@ std::shared_ptr<RemoteStagingRing> RemoteStagingRing::read(const char* data, siz
     fail("malformed staging ring: ", size, " B, shorter than its ", sizeof(header), " B header");
   }
   std::memcpy(&header, data, sizeof(header));
-  const size_t wordBytes = static_cast<size_t>(header.slots) * sizeof(cuda::Flag);
-  if (header.slots == 0 || header.slots > 64 || header.slotBytes == 0 ||
+  const size_t slotWordBytes = static_cast<size_t>(header.slots) * sizeof(cuda::Flag);
+  const size_t wordBytes = slotWordBytes * (header.ways ? 2 : 1);
+  if (header.slots == 0 || header.slots > 64 || header.slotBytes == 0 || header.ways > 1 ||
       size < sizeof(header) + wordBytes) {
     fail("malformed staging ring: ", header.slots, " slots of ", header.slotBytes, " B in ",
          size, " B");
@@ -62,7 +72,11 @@ std::shared_ptr<RemoteStagingRing> RemoteStagingRing::read(const char* data, siz
   auto ring = std::make_shared<RemoteStagingRing>();
   ring->slotBytes_ = header.slotBytes;
   ring->words_.resize(header.slots);
-  std::memcpy(ring->words_.data(), data + sizeof(header), wordBytes);
+  std::memcpy(ring->words_.data(), data + sizeof(header), slotWordBytes);
+  if (header.ways) {
+    ring->ways_.resize(header.slots);
+    std::memcpy(ring->ways_.data(), data + sizeof(header) + slotWordBytes, slotWordBytes);
+  }
   ring->exported_ = cuda::IpcExport::read(data + sizeof(header) + wordBytes,
                                           size - sizeof(header) - wordBytes);
   if (ring->exported_.kind != cuda::IpcExport::Kind::kIpcHandle) {

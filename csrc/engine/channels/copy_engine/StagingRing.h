@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/channels/copy_engine/RingMemory.h"
 #include "engine/cuda/DeviceMemory.h"
 #include "engine/cuda/FlagSegment.h"
 #include "engine/cuda/IpcCache.h"
@@ -27,7 +28,8 @@ namespace smfree::engine {
 //
 // Each slot has one word in the receiver's flag segment. Use `u` of a slot raises it to
 // full(u) when the sender's copy has landed and to emptied(u) when the receiver has copied
-// it out; the sender's CPU reuses a slot once it reads emptied(u - 1).
+// it out; the sender's CPU reuses a slot once it reads emptied(u - 1). An eager ring's slot
+// has a second word, its way: which way each use's message goes (EagerLanes.h).
 struct StagedSlot {
   uint32_t slot = 0;
   uint32_t use = 0;
@@ -51,8 +53,10 @@ constexpr uint64_t kStagingMinBytes = 8ull << 20;
 // The receiver's side: the slots' memory and words.
 class StagingRing {
  public:
-  // Throws Error when the memory or the words cannot be had.
-  StagingRing(cuda::FlagSegment& flags, int device, uint64_t slotBytes, uint32_t slots);
+  // Throws Error when the memory (within `memory`'s bound) or the words cannot be had. `ways`:
+  // a way word per slot. `what` names the ring in the log.
+  StagingRing(cuda::FlagSegment& flags, RingMemory& memory, int device, uint64_t slotBytes,
+              uint32_t slots, bool ways, const std::string& what);
   StagingRing(const StagingRing&) = delete;
   StagingRing& operator=(const StagingRing&) = delete;
 
@@ -63,19 +67,24 @@ class StagingRing {
   cuda::Flag emptied(const StagedSlot& staged) const {
     return slotEmptied(words_[staged.slot], staged.use);
   }
+  // The slot's way word; only on a ring made with `ways`.
+  const cuda::Flag& wayOf(uint32_t slot) const { return ways_.at(slot); }
   // The sender is gone: lets every copy-out parked on its slots run (into recvs that failed).
   void releaseWaits() const;
   int device() const { return memory_.device(); }
   uint64_t slotBytes() const { return slotBytes_; }
   uint32_t slots() const { return static_cast<uint32_t>(words_.size()); }
+  uint64_t bytes() const { return slotBytes_ * words_.size(); }
 
  private:
   cuda::FlagSegment& flags_;
   uint64_t slotBytes_;
+  std::unique_ptr<RingMemory::Share> share_;  // before memory_: taken first, given back last
   cuda::DeviceMemory memory_;
   // Never released: releaseWaits() may leave a word above what the segment would hand out
-  // next for it.
+  // next for it, and way words only grow.
   std::vector<cuda::Flag> words_;
+  std::vector<cuda::Flag> ways_;
   cuda::IpcExport exported_;
 };
 
@@ -97,10 +106,13 @@ class RemoteStagingRing {
   uint64_t slotBytes() const { return slotBytes_; }
   uint32_t slots() const { return static_cast<uint32_t>(words_.size()); }
   const cuda::Flag& wordOf(uint32_t slot) const { return words_[slot]; }
+  bool hasWays() const { return !ways_.empty(); }
+  const cuda::Flag& wayOf(uint32_t slot) const { return ways_.at(slot); }
 
  private:
   uint64_t slotBytes_ = 0;
   std::vector<cuda::Flag> words_;
+  std::vector<cuda::Flag> ways_;
   cuda::IpcExport exported_;
   std::vector<uint32_t> uses_;  // per slot, uses taken so far
   uint32_t next_ = 0;
