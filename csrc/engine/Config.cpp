@@ -82,7 +82,7 @@ Config Config::fromEnv() {
   config.transport = parseTransport(std::getenv("SMFREE_TRANSPORT"));
   config.stagingBytes =
       static_cast<uint64_t>(parseNonNegative("SMFREE_STAGING_BYTES", 16 << 20));
-  config.eagerBytes = static_cast<uint64_t>(parseNonNegative("SMFREE_EAGER_BYTES", 8 << 20));
+  config.eagerBytes = static_cast<uint64_t>(parseNonNegative("SMFREE_EAGER_BYTES", 16 << 20));
   config.ringMemoryBytes =
       static_cast<uint64_t>(parseNonNegative("SMFREE_RING_MEMORY_BYTES", 1l << 30));
   config.hostStagingPieceBytes =

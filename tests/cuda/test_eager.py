@@ -17,7 +17,7 @@ from harness import synchronize
 pytestmark = pytest.mark.gpu
 
 COPY_ENGINE = channels.COPY_ENGINE
-EAGER_MAX = 8 << 20  # SMFREE_EAGER_BYTES's default
+EAGER_MAX = 16 << 20  # SMFREE_EAGER_BYTES's default
 
 
 def _store():
@@ -58,7 +58,7 @@ def _send_returns_before_the_recv_is_posted(rank, world, numel, rounds):
 
 @pytest.mark.parametrize("connections", ["1", "8"])
 @pytest.mark.parametrize("numel", [1, 64 << 10, 1 << 18, EAGER_MAX // 4],
-                         ids=["4B", "256KiB", "1MiB", "8MiB"])
+                         ids=["4B", "256KiB", "1MiB", "16MiB"])
 def test_send_wait_returns_before_its_recv_is_posted(numel, connections):
     COPY_ENGINE.skip_unless_ranks(2)
     rounds = 20
@@ -124,7 +124,7 @@ def test_more_messages_than_slots_waited_last_first(connections):
     assert sent["eager_sends_held"] == count - 8 and sent["eager_sends_by_rendezvous"] == 0
 
 
-# The program of a user who posts everything first: 18 sends of 4 B to 64 MiB on one tag, 12
+# The program of a user who posts everything first: 18 sends of 4 B to 64 MiB on one tag, 14
 # of them eager-sized, then 18 recvs (as float32 element counts).
 MIXED_18 = [1, 4 << 20, 256, 16 << 10, 8 << 20, 256 << 10, 1 << 20, 16 << 20, 2 << 20, 1,
             4 << 10, 4 << 20, 64 << 10, 8 << 20, 512 << 10, 3, 16 << 20, 2 << 20]

@@ -17,6 +17,9 @@ pytestmark = pytest.mark.gpu
 
 # Sizes on both sides of staging's range (8 MiB to SMFREE_STAGING_BYTES, 16 MiB by default).
 STAGING_SIZES = [16 << 20, 4 << 20, 1 << 20, 20 << 20, 8 << 20]
+# Eager lanes take sends up to their slot (16 MiB by default) before staging can: slots of
+# 8 MiB leave the sends above them to staging.
+EAGER_BELOW_STAGING = {"SMFREE_EAGER_BYTES": str(8 << 20)}
 
 
 def _one_way_into_one_buffer(rank, world, rounds):
@@ -56,7 +59,8 @@ def _one_way_into_one_buffer(rank, world, rounds):
 def test_sends_into_a_buffer_the_receiver_keeps_reusing(staging):
     rounds = 40
     staged_sends, (wrong, staged_recvs, rings) = channels.COPY_ENGINE.run(
-        _one_way_into_one_buffer, 2, rounds, env={"SMFREE_STAGING_BYTES": staging})
+        _one_way_into_one_buffer, 2, rounds,
+        env={"SMFREE_STAGING_BYTES": staging, **EAGER_BELOW_STAGING})
     assert wrong == []
     stageable = sum(1 for i in range(rounds)
                     if 8 << 20 <= STAGING_SIZES[i % len(STAGING_SIZES)] <= int(staging))
@@ -92,7 +96,8 @@ def _receiver_dies_with_sends_waiting_for_slots(rank, world):
 
 def test_receiver_death_fails_the_sends_held_for_a_staging_slot():
     errors, waited, stats = channels.COPY_ENGINE.run(
-        _receiver_dies_with_sends_waiting_for_slots, 2, group_timeout_s=60, expect_exit=(1,))[0]
+        _receiver_dies_with_sends_waiting_for_slots, 2, group_timeout_s=60, expect_exit=(1,),
+        env=EAGER_BELOW_STAGING)[0]
     assert errors[:2] == [None, None], errors  # copied into the two slots before it died
     assert all(error and "its peer process" in error for error in errors[2:]), errors
     assert stats["staged_sends"] == 2 and stats["live_ops"] == 0

@@ -42,10 +42,12 @@ class ScopedEnv {
 TEST(configDefaults, "config: unset variables take their defaults") {
   ScopedEnv env{{"SMFREE_TRANSPORT", nullptr}, {"SMFREE_STAGING_BYTES", nullptr},
                 {"SMFREE_IPC_CACHE_SIZE", nullptr}, {"SMFREE_SPIN_US", nullptr},
-                {"LOCAL_WORLD_SIZE", nullptr}, {"SMFREE_RING_MEMORY_BYTES", nullptr}};
+                {"LOCAL_WORLD_SIZE", nullptr}, {"SMFREE_RING_MEMORY_BYTES", nullptr},
+                {"SMFREE_EAGER_BYTES", nullptr}};
   const Config config = Config::fromEnv();
   CHECK(config.transport == Transport::kAuto);
   CHECK(config.stagingBytes == 16u << 20);
+  CHECK(config.eagerBytes == 16u << 20);
   CHECK(config.ringMemoryBytes == 1ull << 30);
   CHECK(config.ipcCacheSize == 1024);
   CHECK(!config.spin && !config.localRanks);  // Spin chooses
