@@ -195,6 +195,9 @@ bool UcxChannel::onlyTcpToward(const UcxEndpoint& endpoint, const Peer& peer) co
     log(LogLevel::kInfo, "UCX reaches ", peer.describe(), " over TCP only (", names,
         "), where it copies CUDA memory in small pieces: CUDA tensors to and from it go through "
         "pinned host memory, copied by copy engines");
+  } else {
+    log(LogLevel::kInfo, "UCX reaches ", peer.describe(), " over ", names,
+        ": CUDA tensors to and from it go to UCX as they are");
   }
   return tcpOnly;
 }
