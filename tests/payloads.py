@@ -86,3 +86,21 @@ def connect(rank, device):
     """In a rank of two: one small exchange, so that later timings leave out connecting."""
     exchange(torch.ones(4, device=device), torch.empty(4, device=device), 1 - rank)
     synchronize(device)
+
+
+def sends_then_recvs(rank, peer, numels, device, once_posted=None):
+    """Posts a send of each size (float32 elements) to `peer`, then, after `once_posted()`, a
+    recv of each, and waits for the recvs last first and then for the sends. Returns the
+    indices of the recvs whose contents are wrong."""
+    sends = [dist.isend(torch.full((n,), float(1000 * rank + i), device=device), peer)
+             for i, n in enumerate(numels)]
+    if once_posted:
+        once_posted()
+    got = [torch.empty(n, device=device) for n in numels]
+    recvs = [dist.irecv(buf, peer) for buf in got]
+    for work in reversed(recvs):
+        work.wait()
+    for work in sends:
+        work.wait()
+    synchronize(device)
+    return [i for i, buf in enumerate(got) if not torch.all(buf == float(1000 * peer + i))]

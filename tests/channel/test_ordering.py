@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from harness import rank_device, synchronize
+from payloads import sends_then_recvs
 
 
 def _crossed_unbatched(rank, world, numel):
@@ -35,19 +36,8 @@ def test_crossed_isend_before_irecv_unbatched(channel, large):
 def _all_sends_before_any_recv(rank, world, count):
     # Both ranks post every send before any recv, then wait for the recvs last first: every op
     # has a partner, so the program completes whatever the count.
-    dev = rank_device(rank)
-    peer = 1 - rank
     numels = [1 << (i % 19) for i in range(count)]  # 4 B to 1 MiB, mixed on one tag
-    sends = [dist.isend(torch.full((n,), float(1000 * rank + i), device=dev), peer)
-             for i, n in enumerate(numels)]
-    got = [torch.empty(n, device=dev) for n in numels]
-    recvs = [dist.irecv(buf, peer) for buf in got]
-    for work in reversed(recvs):
-        work.wait()
-    for work in sends:
-        work.wait()
-    synchronize(dev)
-    return [i for i, buf in enumerate(got) if not torch.all(buf == float(1000 * peer + i))]
+    return sends_then_recvs(rank, 1 - rank, numels, rank_device(rank))
 
 
 @pytest.mark.parametrize("count", [100, 1000])

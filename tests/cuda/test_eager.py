@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 import channels
 from harness import synchronize
+from payloads import sends_then_recvs
 
 pytestmark = pytest.mark.gpu
 
@@ -141,19 +142,13 @@ def _posts_before_recvs(rank, world, numels):
     backend = dist.group.WORLD._get_backend(dev)
     before = backend._stats()
     store = _store()
-    sends = [dist.isend(torch.full((n,), float(1000 * rank + i), device=dev), peer)
-             for i, n in enumerate(numels)]
-    store.set(f"posted/{rank}", "1")
-    store.wait([f"posted/{peer}"])
-    got = [torch.empty(n, device=dev) for n in numels]
-    recvs = [dist.irecv(buf, peer) for buf in got]
-    for work in reversed(recvs):
-        work.wait()
-    for work in sends:
-        work.wait()
-    synchronize(dev)
+
+    def both_posted():
+        store.set(f"posted/{rank}", "1")
+        store.wait([f"posted/{peer}"])
+
+    wrong = sends_then_recvs(rank, peer, numels, dev, once_posted=both_posted)
     after = backend._stats()
-    wrong = [i for i, buf in enumerate(got) if not torch.all(buf == float(1000 * peer + i))]
     return wrong, {key: after[key] - before[key] for key in STATS}
 
 

@@ -41,8 +41,8 @@ cuda::Flag slotEmptied(const cuda::Flag& word, uint32_t use);
 // Slots per staging ring. A third slot measured no faster than two.
 constexpr uint32_t kStagingSlots = 2;
 // Slots per eager ring: how many small sends a sender may have in a receiver's memory before
-// its next one waits for the receiver (a rendezvous). A pipeline stage sends one activation or
-// gradient per micro-batch; 8 lets a sender run that many micro-batches ahead.
+// its next one goes by rendezvous (or waits, held, for its slot). A pipeline stage sends one
+// activation or gradient per micro-batch; 8 lets a sender run that many micro-batches ahead.
 constexpr uint32_t kEagerSlots = 8;
 // Below this a staged op costs more than the hop it saves: its receiver learns that its
 // buffer is being filled from a control message instead of a word in shared memory, and at
