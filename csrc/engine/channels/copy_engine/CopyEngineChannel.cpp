@@ -373,6 +373,7 @@ bool CopyEngineChannel::advanceHeld() {
 bool CopyEngineChannel::progress() {
   thread_.check("CopyEngineChannel::progress");
   bool moved = advanceHeld();
+  moved = emptyHeldSlots() || moved;
   for (auto it = moving_.begin(); it != moving_.end();) {
     if (finishMove(*it)) {
       it = moving_.erase(it);

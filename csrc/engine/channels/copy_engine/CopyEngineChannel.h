@@ -156,6 +156,8 @@ class CopyEngineChannel final : public Channel {
   bool fillHeld(Transfer& send);
   // A recv of a held eager send: queues its copy out once the slot is full; false until then.
   bool copyOutOnceFull(Transfer& recv);
+  // Empties the slots of held eager sends no recv took, once their copies have landed.
+  bool emptyHeldSlots();
 
   void submitDirect(Transfer send);
   void submitStaged(Transfer send, const StagedSlot& slot);
@@ -196,6 +198,11 @@ class CopyEngineChannel final : public Channel {
   std::atomic<uint64_t> eagerSends_{0};
   uint64_t eagerRecvs_ = 0;
   std::list<Transfer> held_;    // cleared sends waiting for a slot or for `ready`
+  struct HeldSlot {
+    std::shared_ptr<StagingRing> ring;
+    StagedSlot slot;
+  };
+  std::list<HeldSlot> heldSlots_;  // of held eager sends no recv took (discard)
   std::list<Transfer> moving_;  // copies submitted (sends) or expected (recvs)
   uint64_t stagedSends_ = 0;  // copied into a receiver's slot
   uint64_t stagedRecvs_ = 0;  // copied out of one of our slots

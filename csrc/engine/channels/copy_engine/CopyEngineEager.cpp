@@ -127,6 +127,25 @@ std::string CopyEngineChannel::armEager(const std::shared_ptr<Op>& recv, Peer& s
   return {};
 }
 
+bool CopyEngineChannel::emptyHeldSlots() {
+  bool emptied = false;
+  for (auto it = heldSlots_.begin(); it != heldSlots_.end();) {
+    if (!flags_.isSet(it->ring->full(it->slot))) {
+      ++it;
+      continue;
+    }
+    try {
+      cuda::ContextGuard context(it->ring->device());
+      enqueueEmptying(*it->ring, it->slot, copyOutStream(it->ring->device()));
+    } catch (const Error& error) {
+      log(LogLevel::kError, "an eager slot is lost: ", error.what());
+    }
+    it = heldSlots_.erase(it);
+    emptied = true;
+  }
+  return emptied;
+}
+
 bool CopyEngineChannel::fillHeld(Transfer& send) {
   Op& op = *send.op;
   CopyEngineOp& state = copyEngineOp(op);
@@ -180,9 +199,15 @@ void CopyEngineChannel::discard(Peer& source, const ReadyToSend& rts, Op* recv) 
     if (eagerRecv && !eagerRecv->claimBy(EagerRecv::kByProgress)) return;
   }
   try {
-    const EagerSlot eager = slotOf(readEagerNotice(rts.channelData, source));
+    const EagerNotice notice = readEagerNotice(rts.channelData, source);
+    const EagerSlot eager = slotOf(notice);
     const auto ring = lanes_.ring(LaneKey{source.address.processKey, rts.group, rts.tag});
     if (!ring || eager.staged.slot >= ring->slots()) return;
+    if (notice.held) {
+      // Its copy is not queued yet: emptied once it has landed (emptyHeldSlots).
+      heldSlots_.push_back(HeldSlot{ring, eager.staged});
+      return;
+    }
     cuda::ContextGuard context(ring->device());
     enqueueEmptying(*ring, eager.staged, copyOutStream(ring->device()));
   } catch (const Error& error) {
