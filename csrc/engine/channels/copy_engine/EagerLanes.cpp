@@ -1,7 +1,6 @@
 #include "engine/channels/copy_engine/EagerLanes.h"
 
 #include <algorithm>
-#include <thread>
 
 #include "engine/Error.h"
 #include "engine/Log.h"
@@ -70,7 +69,7 @@ std::optional<EagerSend> EagerLanes::push(const Op& op, const LaneKey& lane,
   }
   out->last[eager.staged.slot] = eager.staged.use;
   if (!empty) {
-    // The receiver's wait() claimed it, and queued the copy out of `last` before: fill().
+    // The receiver claimed it eager; its copy out of `last` comes first in the lane: fill().
     heldSends_.fetch_add(1, std::memory_order_relaxed);
     return EagerSend{eager, last};
   }
