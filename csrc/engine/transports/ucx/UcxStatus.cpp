@@ -11,8 +11,11 @@ std::string ucxPeerErrorText(ucs_status_t status) {
   switch (status) {
     case UCS_ERR_ENDPOINT_TIMEOUT:
     case UCS_ERR_TIMED_OUT:
-      return concat(said, " on the connection to it: bytes went unacknowledged past the link "
-                    "timeout (SMFREE_LINK_TIMEOUT_MS); its link or its host is down");
+      // UCX's keepalive says so too, also where the TCP user timeout is missing (UCX 1.13),
+      // and for a peer whose process exited.
+      return concat(said, " on the connection to it: it went unanswered (UCX's keepalive every "
+                    "SMFREE_PEER_CHECK_MS, or bytes unacknowledged past SMFREE_LINK_TIMEOUT_MS): "
+                    "its process or its host went down, or the link to it did");
     case UCS_ERR_CONNECTION_RESET:
       // Also what UCX reports when the link timeout (SMFREE_LINK_TIMEOUT_MS) ends a connection.
       return concat(said, ": its process or its host went down, or the link to it did (no "
