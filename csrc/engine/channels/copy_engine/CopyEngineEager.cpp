@@ -149,6 +149,12 @@ bool CopyEngineChannel::emptyHeldSlots() {
 bool CopyEngineChannel::fillHeld(Transfer& send) {
   Op& op = *send.op;
   CopyEngineOp& state = copyEngineOp(op);
+  if (op.finished()) {
+    // It failed (its timeout) before its slot was emptied: its copy is never queued.
+    send.held = false;
+    state.copied->markReached();  // never recorded: nothing will run
+    return true;
+  }
   try {
     if (!lanes_.fill(op, laneOf(op, send.peer->address.processKey), *state.eager,
                      *state.produced, *state.copied)) {
