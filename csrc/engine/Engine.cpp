@@ -62,7 +62,8 @@ Engine::Engine(Private)
   local_ = PeerAddress::local(worker_->address(), ucx->receiveAddress(),
                               cudaOps_->flags().path());
   auto copyEngine = std::make_unique<CopyEngineChannel>(
-      *cudaOps_, thread_, config_.ipcCacheSize, config_.stagingBytes, config_.eagerBytes, config_.ringMemoryBytes, onDone,
+      *cudaOps_, thread_, config_.ipcCacheSize, config_.stagingBytes, config_.eagerBytes,
+      config_.ringMemoryBytes, onDone,
       [this](Peer& peer, std::string data) {
         peers_->send(peer, ChannelNotice{local_.processKey, std::move(data)});
       },

@@ -89,7 +89,7 @@ def _rate(rank, world, device, numel, rounds):
     peer = 1 - rank
     mine = payload(rank, 0, numel).to(device)
     got = torch.empty(numel, dtype=torch.int32, device=device)
-    waited, intact = 0.0, True
+    waited = 0.0
     for index in range(rounds + 2):  # 2 to warm up
         if index == 2:
             start, waited = time.perf_counter(), 0.0

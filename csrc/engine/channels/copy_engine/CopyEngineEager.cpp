@@ -149,51 +149,46 @@ bool CopyEngineChannel::emptyHeldSlots() {
 bool CopyEngineChannel::fillHeld(Transfer& send) {
   Op& op = *send.op;
   CopyEngineOp& state = copyEngineOp(op);
-  if (op.finished()) {
-    // It failed (its timeout) before its slot was emptied: its copy is never queued.
-    send.held = false;
-    state.copied->markReached();  // never recorded: nothing will run
-    return true;
-  }
-  try {
-    if (!lanes_.fill(op, laneOf(op, send.peer->address.processKey), *state.eager,
-                     *state.produced, *state.copied)) {
-      return false;
+  if (!op.finished()) {
+    try {
+      if (!lanes_.fill(op, laneOf(op, send.peer->address.processKey), *state.eager,
+                       *state.produced, *state.copied)) {
+        return false;
+      }
+      send.held = false;
+      flags_.set(state.queued);
+      return true;
+    } catch (const Error& error) {
+      onDone_(send.op, Status::failure(StatusCode::kTransport, std::string(reasonOf(error))));
     }
-  } catch (const Error& error) {
-    send.held = false;
-    state.copied->markReached();  // never recorded: nothing will run
-    onDone_(send.op, Status::failure(StatusCode::kTransport, std::string(reasonOf(error))));
-    return true;  // finishMove ends it: `copied` reads reached
   }
+  // Failed (its timeout, or its lane gone) before its slot was emptied: its copy is never
+  // queued, and finishMove ends it as `copied`, never recorded, reads reached.
   send.held = false;
-  flags_.set(state.queued);
+  state.copied->markReached();
   return true;
 }
 
 bool CopyEngineChannel::copyOutOnceFull(Transfer& recv) {
   Op& op = *recv.op;
-  if (!flags_.isSet(recv.ring->full(*recv.slot))) {
-    if (!op.finished()) return false;
-    // It failed and the sender's copy never came: it ends without one; the slot stays full
-    // for the lane's end.
-    recv.held = false;
-    flags_.set(copyEngineOp(op).done.plus(kSenderGaveUp));
-    flags_.set(copyEngineOp(op).queued);
-    return true;
+  const CopyEngineOp& state = copyEngineOp(op);
+  bool queued = false;
+  if (flags_.isSet(recv.ring->full(*recv.slot))) {
+    try {
+      cuda::ContextGuard context(recv.ring->device());
+      enqueueCopyOut(op, *recv.ring, *recv.slot, copyOutStream(recv.ring->device()));
+      queued = true;
+    } catch (const Error& error) {
+      onDone_(recv.op, Status::failure(StatusCode::kTransport, std::string(reasonOf(error))));
+    }
+  } else if (!op.finished()) {
+    return false;
   }
-  try {
-    cuda::ContextGuard context(recv.ring->device());
-    enqueueCopyOut(op, *recv.ring, *recv.slot, copyOutStream(recv.ring->device()));
-  } catch (const Error& error) {
-    recv.held = false;
-    flags_.set(copyEngineOp(op).done.plus(kSenderGaveUp));
-    flags_.set(copyEngineOp(op).queued);
-    onDone_(recv.op, Status::failure(StatusCode::kTransport, std::string(reasonOf(error))));
-    return true;
-  }
+  // Without a copy out (it failed, or the sender's copy never came and the slot stays full
+  // for the lane's end), it ends as one the sender gave up.
+  if (!queued) flags_.set(state.done.plus(kSenderGaveUp));
   recv.held = false;
-  flags_.set(copyEngineOp(op).queued);
+  flags_.set(state.queued);
   return true;
 }
 

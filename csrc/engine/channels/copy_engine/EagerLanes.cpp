@@ -32,8 +32,8 @@ std::optional<Way> decideWay(volatile uint32_t* word, const cuda::Flag& way, uin
 }
 
 bool EagerRecv::mayBeEager() const {
-  const int known = way.load();
-  return known == static_cast<int>(Way::kUndecided) || known == static_cast<int>(Way::kEager);
+  const Way known = way.load();
+  return known == Way::kUndecided || known == Way::kEager;
 }
 
 bool EagerRecv::claimBy(Claim who) {
@@ -195,13 +195,13 @@ std::shared_ptr<StagingRing> EagerLanes::predictLocked(const EagerRecv& recv) co
 }
 
 Way EagerLanes::decideLocked(EagerRecv& recv, const StagingRing& ring) {
-  const int known = recv.way.load();
-  if (known != static_cast<int>(Way::kUndecided)) return static_cast<Way>(known);
+  const Way known = recv.way.load();
+  if (known != Way::kUndecided) return known;
   const EagerSlot eager = eagerSlotOf(recv.seq, ring.device());
   const cuda::Flag& wayWord = ring.wayOf(eager.staged.slot);
   const Way way = decideWay(flags_.word(wayWord), wayWord, eager.staged.use, Way::kEager)
                       .value_or(Way::kAsAnnounced);
-  recv.way.store(static_cast<int>(way));
+  recv.way.store(way);
   return way;
 }
 
@@ -232,15 +232,15 @@ bool EagerLanes::queueCopiesOut(EagerRecv& recv, CUstream stream) {
   std::shared_ptr<StagingRing> ring;
   if (recv.claim.load() != EagerRecv::kByCaller) {
     std::lock_guard<std::mutex> lock(mutex_);
+    // Reached once claimable() said so, which decided the lane's ways up to this recv.
+    if (recv.way.load() != Way::kEager) return false;
     ring = predictLocked(recv);
     if (!ring) return false;
-    decideEarlierLocked(recv);
-    if (decideLocked(recv, *ring) != Way::kEager) return false;
     auto& line = posted_[recv.lane];
     for (auto it = line.begin(); it != line.end() && it->first < recv.seq;) {
       auto other = it->second.lock();
       if (other && other->claim.load() == EagerRecv::kOpen &&
-          other->way.load() == static_cast<int>(Way::kEager)) {
+          other->way.load() == Way::kEager) {
         if (auto otherRing = predictLocked(*other)) earlier.emplace_back(other, otherRing);
       }
       it = line.erase(it);

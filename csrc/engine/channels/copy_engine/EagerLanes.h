@@ -99,7 +99,7 @@ struct EagerRecv {
   // thread (at the match). Taken once.
   std::atomic<int> claim{kOpen};
   // The message's way, once this side has read or decided it (Way).
-  std::atomic<int> way{static_cast<int>(Way::kUndecided)};
+  std::atomic<Way> way{Way::kUndecided};
 
   std::mutex mutex;  // the fields below
   std::shared_ptr<StagingRing> ring;    // once claimed by the caller
@@ -153,7 +153,8 @@ class EagerLanes {
   // Caller's thread, at a recv's wait(): claims the copy out for the caller where claimable,
   // and queues it on `stream`, after those of the lane's earlier recvs not queued yet: copies
   // out run in the lane's order, whatever the order of the wait() calls, so a slot is never
-  // awaited behind a copy out that empties the slot before it. False where not claimable.
+  // awaited behind a copy out that empties the slot before it. False unless claimable() found
+  // it eager.
   bool queueCopiesOut(EagerRecv& recv, CUstream stream);
 
   // The peer process is gone: forgets its lanes (raising the words of rings it wrote).
