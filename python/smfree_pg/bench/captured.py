@@ -11,6 +11,10 @@ smfree against NCCL captured, in one run.
   checked.
 - overlap: the overlap section's GEMM loop while a captured exchange of `--overlap-chunk` bytes
   is replayed on a side stream until `--overlap-bytes` have moved each way; the GEMM's slowdown.
+
+The exchanges and the overlap also measure the floor, bare copies captured without any
+handshake (`BareCopies`): smfree's two copies (into a slot, then the peer's slot read over
+NVLink) and a single copy of the peer's tensor, the least any path moves.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import time
 
 import torch
 
-from smfree_pg.bench import overlap, pipeline
+from smfree_pg.bench import cuda_driver, overlap, pipeline
 from smfree_pg.bench.cli import at_least
 from smfree_pg.bench.context import CUDA_BACKENDS, Ctx, barrier, gather, log, raise_on_errors
 from smfree_pg.bench.data import mismatch, pattern
@@ -32,6 +36,9 @@ from smfree_pg.bench.sizes import format_size, parse_sizes
 NAME = "captured"
 DEVICES = ("cuda",)
 CAPTURE_MODE = "thread_local"
+# The floor probes, measured beside the backends (BareCopies).
+PROBES = ("two_copies", "one_copy")
+PROBE_TITLES = {"two_copies": "bare 2 copies", "one_copy": "bare 1 copy"}
 
 
 def add_arguments(parser) -> None:
@@ -69,8 +76,48 @@ def timed_replays(graph: torch.cuda.CUDAGraph, replays: int) -> float:
     return start.elapsed_time(end) / 1e3 / replays
 
 
+class BareCopies:
+    """The copies of a captured exchange without its handshake, one graph per probe: what the
+    copy engines take for the same bytes when nothing waits for the peer.
+
+    "two_copies" is smfree's data path (`send` into a slot on this GPU, then the peer's slot
+    read into `recv` over NVLink); "one_copy" reads the peer's `send` into `recv` directly.
+    Both ranks fill their slots before capture and every copy moves the same bytes, so each
+    replay delivers the peer's pattern although nothing orders the two ranks' copies.
+    """
+
+    def __init__(self, ctx: Ctx, send: torch.Tensor, recv: torch.Tensor,
+                 stream: torch.cuda.Stream | None = None) -> None:
+        self.recv = recv
+        self.slot = send.clone()
+        torch.cuda.synchronize()
+        exports = gather(ctx, (cuda_driver.export(send), cuda_driver.export(self.slot)))
+        self.peer_send, self.peer_slot = (cuda_driver.Mapping(exported, ctx.device)
+                                          for exported in exports[ctx.peer])
+        size = send.numel() * send.element_size()
+
+        def two_copies() -> None:
+            self.slot.copy_(send)
+            cuda_driver.copy_async(recv.data_ptr(), self.peer_slot.address, size,
+                                   torch.cuda.current_stream())
+
+        def one_copy() -> None:
+            cuda_driver.copy_async(recv.data_ptr(), self.peer_send.address, size,
+                                   torch.cuda.current_stream())
+
+        self.graphs = {"two_copies": capture(two_copies, stream),
+                       "one_copy": capture(one_copy, stream)}
+
+    def close(self, ctx: Ctx) -> None:
+        """Unmaps the peer's buffers; every rank calls it before its own buffers go."""
+        torch.cuda.synchronize()
+        self.peer_send.close()
+        self.peer_slot.close()
+        barrier(ctx)
+
+
 def measure_exchange(ctx: Ctx, size: int, args) -> dict:
-    """µs per replay of a captured exchange of `size` bytes each way, per backend."""
+    """µs per replay of a captured exchange of `size` bytes each way, per backend and probe."""
     send = pattern(ctx.rank, size // 4, ctx.device)
     recvs = {backend: torch.zeros_like(send) for backend in CUDA_BACKENDS}
     graphs = {}
@@ -79,27 +126,34 @@ def measure_exchange(ctx: Ctx, size: int, args) -> dict:
         exchange(group, send, recvs[backend], ctx.peer)  # untimed, uncaptured: the warm-up
         barrier(ctx)
         graphs[backend] = capture(lambda: exchange(group, send, recvs[backend], ctx.peer))
-        recvs[backend].zero_()
-        graphs[backend].replay()
+    bare = BareCopies(ctx, send, torch.zeros_like(send))
+    graphs.update(bare.graphs)
+    for condition, graph in graphs.items():
+        recv = bare.recv if condition in PROBES else recvs[condition]
+        recv.zero_()
+        graph.replay()
         torch.cuda.synchronize()
-        raise_on_errors(gather(ctx, mismatch(recvs[backend], ctx.peer,
-                                             f"rank {ctx.rank}, captured {backend} exchange")),
-                        f"captured exchange over {backend}")
-    seconds = {backend: [] for backend in CUDA_BACKENDS}
+        raise_on_errors(gather(ctx, mismatch(recv, ctx.peer,
+                                             f"rank {ctx.rank}, captured {condition} exchange")),
+                        f"captured exchange over {condition}")
+    seconds = {condition: [] for condition in graphs}
     for _ in range(args.captured_reps):
-        for backend in CUDA_BACKENDS:
+        for condition, graph in graphs.items():
             barrier(ctx)
-            seconds[backend].append(max(gather(ctx, timed_replays(graphs[backend],
-                                                                   args.captured_replays))))
+            seconds[condition].append(max(gather(ctx, timed_replays(graph,
+                                                                     args.captured_replays))))
+    graphs.clear()
+    bare.close(ctx)
     row = {"bytes": size}
-    for backend, times in seconds.items():
+    for condition, times in seconds.items():
         us = 1e6 * statistics.median(times)
-        row[backend] = {"us": us, "GBps_each_way": size / (us * 1e-6) / 1e9,
-                        "us_reps": [1e6 * t for t in times]}
+        row[condition] = {"us": us, "GBps_each_way": size / (us * 1e-6) / 1e9,
+                          "us_reps": [1e6 * t for t in times]}
     ratios = [s / n for s, n in zip(seconds["smfree"], seconds["nccl"])]
     row["paired"] = {"ratios": ratios, "ratio": statistics.median(ratios)}
     log(ctx, f"captured exchange {format_size(size):>7}: smfree {row['smfree']['us']:9.1f} µs, "
-             f"NCCL {row['nccl']['us']:9.1f} µs per replay")
+             f"NCCL {row['nccl']['us']:9.1f} µs, bare copies "
+             f"{row['two_copies']['us']:9.1f} (2) {row['one_copy']['us']:9.1f} (1) µs per replay")
     return row
 
 
@@ -174,6 +228,8 @@ class CapturedTraffic:
             barrier(ctx)
             self.graphs[backend] = capture(
                 lambda: exchange(group, self.send, self.recv, self.peer), self.stream)
+        self.bare = BareCopies(ctx, self.send, self.recv, self.stream)
+        self.graphs.update(self.bare.graphs)
 
     def post(self, ctx: Ctx, backend: str, after: torch.cuda.Event):
         """Replays from a thread: launches wait once the launch queue is full, and the GEMM loop
@@ -193,12 +249,15 @@ def measure_overlap(ctx: Ctx, args) -> dict:
     a = torch.randn(n, n, device=ctx.device, dtype=torch.bfloat16)
     matrices = (a, torch.randn_like(a), torch.empty_like(a))
     traffic = CapturedTraffic(ctx, args.overlap_chunk, replays)
-    samples = overlap.trial_rounds(ctx, traffic, matrices, args, "captured overlap")
+    loads = (*CUDA_BACKENDS, *PROBES)
+    samples = overlap.trial_rounds(ctx, traffic, matrices, args, "captured overlap", loads)
+    traffic.graphs.clear()
+    traffic.bare.close(ctx)
     bytes_each_way = replays * args.overlap_chunk
     return {"gemm_n": n, "gemms": args.gemms, "preheat_gemms": args.overlap_preheat,
             "chunk_bytes": args.overlap_chunk, "replays": replays,
             "bytes_each_way": bytes_each_way, "reps": args.overlap_reps,
-            "ranks": gather(ctx, overlap.summarize_overlap(samples, n, bytes_each_way))}
+            "ranks": gather(ctx, overlap.summarize_overlap(samples, n, bytes_each_way, loads))}
 
 
 def run(ctx: Ctx, args) -> dict:
@@ -219,9 +278,11 @@ def print_section(section: dict) -> None:
           f"rank; capture_error_mode={section['capture_error_mode']})")
     rows = [[format_size(row["bytes"]), num(row["smfree"]["us"], 1), num(row["nccl"]["us"], 1),
              num(row["smfree"]["GBps_each_way"], 1), num(row["nccl"]["GBps_each_way"], 1),
-             f"{row['paired']['ratio']:.3f}"] for row in section["exchanges"]]
+             f"{row['paired']['ratio']:.3f}", *(num(row[probe]["us"], 1) for probe in PROBES)]
+            for row in section["exchanges"]]
     print(format_table(["size", "smfree µs", "NCCL µs", "smfree GB/s", "NCCL GB/s",
-                        "smfree/NCCL"], rows))
+                        "smfree/NCCL", *(f"{PROBE_TITLES[p]} µs" for p in PROBES)], rows))
+    print("bare: the same bytes copied by graphs of copies alone, no handshake (the floor)")
     step = section["step"]
     print(f"\nCaptured step: 1F1B over {step['stages']} stages, {step['microbatches']} "
           f"micro-batches, {format_size(step['activation_bytes'])} activations, replayed whole "
@@ -235,15 +296,16 @@ def print_section(section: dict) -> None:
     print(f"\nCaptured overlap: bf16 GEMM {lap['gemm_n']}^3 x {lap['gemms']} while a captured "
           f"exchange of {format_size(lap['chunk_bytes'])} is replayed {lap['replays']} times "
           f"(median of {lap['reps']} rounds)")
+    loads = (*CUDA_BACKENDS, *PROBES)
     rows = []
     for rank, summary in enumerate(lap["ranks"][:2]):
         rows.append([str(rank), num(summary["alone_ms"], 3),
-                     f"{summary['smfree']['paired_slowdown_pct']:+.1f} %",
-                     f"{summary['nccl']['paired_slowdown_pct']:+.1f} %",
-                     num(summary["smfree"]["transfer_GBps"], 1),
-                     num(summary["nccl"]["transfer_GBps"], 1),
-                     "yes" if summary["smfree"]["covered"] and summary["nccl"]["covered"]
+                     *(f"{summary[load]['paired_slowdown_pct']:+.1f} %" for load in loads),
+                     *(num(summary[load]["transfer_GBps"], 1) for load in loads),
+                     "yes" if all(summary[load]["covered"] for load in loads)
                      else "no: raise --overlap-bytes"])
-    print(format_table(["rank", "ms/GEMM alone", "slowdown +smfree", "slowdown +NCCL",
-                        "smfree GB/s", "NCCL GB/s", "traffic covered the loop"], rows))
+    titles = {"smfree": "smfree", "nccl": "NCCL", **PROBE_TITLES}
+    print(format_table(["rank", "ms/GEMM alone", *(f"slowdown +{titles[load]}" for load in loads),
+                        *(f"{titles[load]} GB/s" for load in loads), "traffic covered the loop"],
+                       rows))
     sys.stdout.flush()

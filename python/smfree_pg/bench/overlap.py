@@ -148,14 +148,15 @@ def overlap_trial(ctx: Ctx, backend: str | None, traffic, matrices, count: int, 
     return sample, mismatch(traffic.recv, traffic.peer, f"rank {ctx.rank}, overlap over {backend}")
 
 
-def trial_rounds(ctx: Ctx, traffic, matrices, args, what: str) -> dict[str, list[dict]]:
-    """--overlap-reps rounds of (alone, smfree, NCCL) GEMM loops under `traffic`, after a
-    warm-up; each condition's samples."""
+def trial_rounds(ctx: Ctx, traffic, matrices, args, what: str,
+                 loads: tuple[str, ...] = CUDA_BACKENDS) -> dict[str, list[dict]]:
+    """--overlap-reps rounds of GEMM loops, alone and under `traffic` over each of `loads`
+    (the backends, or what else `traffic` posts), after a warm-up; each condition's samples."""
     a, b, c = matrices
     for _ in range(GEMM_WARMUP):
         torch.mm(a, b, out=c)
     torch.cuda.synchronize()
-    samples = {condition: [] for condition in ("alone", *CUDA_BACKENDS)}
+    samples = {condition: [] for condition in ("alone", *loads)}
     for round_ in range(args.overlap_reps):
         for condition, runs in samples.items():
             backend = None if condition == "alone" else condition
@@ -169,7 +170,8 @@ def trial_rounds(ctx: Ctx, traffic, matrices, args, what: str) -> dict[str, list
     return samples
 
 
-def summarize_overlap(samples: dict, n: int, bytes_each_way: int) -> dict:
+def summarize_overlap(samples: dict, n: int, bytes_each_way: int,
+                      loads: tuple[str, ...] = CUDA_BACKENDS) -> dict:
     """Medians over the rounds; slowdown against the GEMM alone; GB/s each way under load.
 
     The paired slowdown compares each loop under traffic with the loop alone of its own
@@ -178,7 +180,7 @@ def summarize_overlap(samples: dict, n: int, bytes_each_way: int) -> dict:
     alone = statistics.median(s["gemm_ms"] for s in samples["alone"])
     summary = {"alone_ms": alone, "alone_TFLOPs": 2 * n**3 / (alone * 1e-3) / 1e12,
                "alone_ms_reps": [s["gemm_ms"] for s in samples["alone"]]}
-    for backend in CUDA_BACKENDS:
+    for backend in loads:
         runs = samples[backend]
         gemm = statistics.median(s["gemm_ms"] for s in runs)
         transfer = statistics.median(s["transfer_ms"] for s in runs)
