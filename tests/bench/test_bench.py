@@ -55,3 +55,47 @@ def test_connections_settings_are_checked():
     for bad in ("0", "one", "1,1"):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_connections(bad)
+
+
+def test_alltoall_schedule_pairs_every_rank_with_every_other_once_per_step():
+    from smfree_pg.bench.alltoall import schedule
+
+    world = 5
+    steps = [schedule(rank, world) for rank in range(world)]
+    for rank, plan in enumerate(steps):
+        assert sorted(to for to, _ in plan) == [r for r in range(world) if r != rank]
+        assert sorted(source for _, source in plan) == [r for r in range(world) if r != rank]
+    for step in range(world - 1):
+        # Each rank is sent to by one rank in a step, and that rank receives from it then.
+        receivers = [steps[rank][step][0] for rank in range(world)]
+        assert sorted(receivers) == list(range(world))
+        assert all(steps[to][step][1] == rank for rank, to in enumerate(receivers))
+
+
+def test_alltoall_figures_count_every_message_once():
+    from smfree_pg.bench.alltoall import figure
+
+    # 4 ranks, 1e6 B to each of 3 peers in 1 ms: 12 messages of 1e6 B.
+    fig = figure([2e-3, 1e-3, 1e-3], size=10**6, world=4)
+    assert fig["us"] == pytest.approx(1000.0)
+    assert fig["GBps_aggregate"] == pytest.approx(12.0)
+    assert fig["GBps_out_per_rank"] == pytest.approx(3.0)
+    assert fig["us_reps"] == pytest.approx([2000.0, 1000.0, 1000.0])
+
+
+def test_alltoall_traffic_sends_about_the_bytes_asked_for():
+    from smfree_pg.bench.alltoall import traffic_chunks
+
+    mib = 1 << 20
+    assert traffic_chunks(192 * mib, 64 * mib, world=4) == 1
+    assert traffic_chunks(193 * mib, 64 * mib, world=4) == 2  # rounds up: never fewer bytes
+    assert traffic_chunks(32 << 30, 64 * mib, world=8) == 74
+
+
+def test_alltoall_shows_the_counters_of_memory_and_mappings():
+    from smfree_pg.bench.alltoall import memory_stats
+
+    stats = {"live_ops": 0, "ipc_mappings": 7, "ring_bytes": 1 << 26, "staging_rings": 3,
+             "eager_sends": 5, "ucx_host_staging_cached_bytes": 0}
+    assert memory_stats(stats) == {"ipc_mappings": 7, "ring_bytes": 1 << 26, "staging_rings": 3,
+                                   "ucx_host_staging_cached_bytes": 0}

@@ -12,11 +12,14 @@ Sections (`--only`), one module each:
    64 MiB; step time and its spread, CPU time in wait(), losses and gradients compared.
 6. roundtrip: a dependent round trip (send, wait, receive back, wait) per message size, and
    the CPU time in wait() per send and per receive.
+7. alltoall: every rank exchanging with every other at once (one batch_isend_irecv each),
+   4 MiB ... 256 MiB per peer: µs per exchange and aggregate GB/s; a GEMM loop's slowdown under
+   that traffic; smfree's mappings and staging memory afterwards.
 
 Ranks pair up (0<->1, 2<->3, ...; with an odd world size the last rank idles) and all pairs run
-at once; pipelines take the first ranks. Rank 0 prints its figures and writes every figure to a
-JSON file (schema in `report.new_report`), from which `python -m smfree_pg.bench.plot` draws
-PNG plots. 1 GB = 1e9 bytes.
+at once; pipelines take the first ranks; alltoall takes every rank. Rank 0 prints its figures
+and writes every figure to a JSON file (schema in `report.new_report`), from which
+`python -m smfree_pg.bench.plot` draws PNG plots. 1 GB = 1e9 bytes.
 
 On CUDA it needs at least 2 GPUs on one host and spawns one rank per visible GPU itself:
 

@@ -5,8 +5,9 @@ check_arguments(args, parser), run(ctx, args) -> its JSON section (called on eve
 print_section(section) (rank 0's table).
 """
 
-from smfree_pg.bench import (bandwidth, captured, overlap, pipeline, pipelining, profile,
-                             roundtrip)
+from smfree_pg.bench import (alltoall, bandwidth, captured, overlap, pipeline, pipelining,
+                             profile, roundtrip)
 
 SECTIONS = {module.NAME: module
-            for module in (bandwidth, overlap, profile, pipeline, pipelining, roundtrip, captured)}
+            for module in (bandwidth, overlap, profile, pipeline, pipelining, roundtrip, captured,
+                           alltoall)}
