@@ -12,7 +12,9 @@ Sections (`--only`), one module each:
    64 MiB; step time and its spread, CPU time in wait(), losses and gradients compared.
 6. roundtrip: a dependent round trip (send, wait, receive back, wait) per message size, and
    the CPU time in wait() per send and per receive.
-7. alltoall: every rank exchanging with every other at once (one batch_isend_irecv each),
+7. captured: exchanges, a 1F1B step and GEMM traffic captured in CUDA graphs and replayed,
+   smfree against NCCL captured, beside the floor: the same copies captured with no handshake.
+8. alltoall: every rank exchanging with every other at once (one batch_isend_irecv each),
    4 MiB ... 256 MiB per peer: µs per exchange and aggregate GB/s; a GEMM loop's slowdown under
    that traffic; smfree's mappings and staging memory afterwards.
 
