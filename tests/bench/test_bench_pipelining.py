@@ -132,3 +132,41 @@ def test_cpu_run_covers_every_schedule_and_backend(tmp_path):
             assert row[backend]["us"]["min"] > 0
             assert set(row[backend]["wait_us"]) == {"send", "recv"}
             assert row[backend]["wait_us"]["send"]["waits"] == 2 * 3 * 2  # 2 ranks x 3 x 2 loops
+
+
+def test_cpu_run_of_two_pipelines_side_by_side_counts_every_rank(tmp_path):
+    report_path = tmp_path / "bench.json"
+    command = [sys.executable, "-m", "smfree_pg.bench", "--device", "cpu", "--nproc", "4",
+               "--only", "pipelining", "--json", str(report_path), "--timeout-min", "1",
+               "--pipelining-stages", "2", "--pipelining-pipelines", "2",
+               "--pipelining-schedules", "GPipe", "--pipelining-sizes", "1K",
+               "--pipelining-hidden", "16", "--pipelining-microbatches", "4",
+               "--pipelining-warmup", "1", "--pipelining-rounds", "2", "--pipelining-steps", "1"]
+    env = {**os.environ}
+    env.pop("LOCAL_WORLD_SIZE", None)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=180, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert " 2 x 2 |    GPipe |" in done.stdout, done.stdout
+    section = json.loads(report_path.read_text())["pipelining"]
+    assert section["pipelines"] == 2
+    [row] = section["rows"]
+    assert (row["stages"], row["pipelines"]) == (2, 2)
+    for backend in ("smfree", "gloo"):
+        waits = row[backend]["wait_us"]["all"]
+        # GPipe: each rank waits on 4 forward and 4 backward ops per step; all four ranks count.
+        assert waits["per_step"] == 8
+        assert waits["waits"] == 8 * row[backend]["step_ms"]["n"] * 4
+    assert row["losses"]["identical"] and row["gradients"]["identical"]
+
+
+def test_pipelines_side_by_side_must_fit_the_world():
+    from types import SimpleNamespace
+
+    from smfree_pg.bench.pipelining import stage_counts
+
+    args = SimpleNamespace(pipelining_stages=None, pipelining_pipelines=2)
+    assert stage_counts(args, world=8) == [2, 4]
+    assert stage_counts(args, world=4) == [2]
+    args.pipelining_stages = [4]
+    with pytest.raises(ValueError, match=r"\[4\] x --pipelining-pipelines 2 need more ranks"):
+        stage_counts(args, world=4)

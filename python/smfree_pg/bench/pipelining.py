@@ -1,6 +1,8 @@
 """Pipelining: torch.distributed.pipelining's schedules over smfree and over the reference.
 
-One rank per pipeline rank (the first `stages` ranks of the world; the others wait). Each rank
+One rank per pipeline rank (the first `stages` ranks of the world; the others wait), or
+`--pipelining-pipelines` such pipelines side by side on consecutive ranks, as data-parallel
+replicas of one pipeline run at once on a node (every figure then covers all of them). Each rank
 holds an MLP of `layers` Linear(hidden, hidden) layers, split over its stages: one for GPipe and
 1F1B, two for the interleaved and zero-bubble schedules (stage r + k * stages, and for ZBV the
 V shape r, 2 * stages - 1 - r). A micro-batch's activation is `size` bytes: size / (hidden x
@@ -62,6 +64,8 @@ def add_arguments(parser) -> None:
     add("--pipelining-stages", type=parse_counts, metavar="COUNTS",
         help="pipeline ranks, comma-separated, each at least 2 and at most the world size "
         f"(default: those of {','.join(map(str, DEFAULT_STAGES))} the world holds)")
+    add("--pipelining-pipelines", type=int, default=1,
+        help="pipelines run side by side, each on the next `stages` ranks (default: %(default)s)")
     add("--pipelining-sizes", type=parse_sizes, default="32K,1M,8M,64M",
         help="activation bytes per micro-batch, comma-separated (default: %(default)s)")
     add("--pipelining-hidden", type=int, default=1024,
@@ -88,7 +92,7 @@ def parse_counts(text: str) -> list[int]:
 
 def check_arguments(args, parser) -> None:
     at_least(parser, args, 1, "pipelining_hidden", "pipelining_microbatches", "pipelining_rounds",
-             "pipelining_steps", "pipelining_warmup")
+             "pipelining_steps", "pipelining_warmup", "pipelining_pipelines")
     if args.pipelining_layers < 2 or args.pipelining_layers % 2:
         parser.error("--pipelining-layers must be even (two stages per rank share them)")
     if args.pipelining_stages is not None and min(args.pipelining_stages) < 2:
@@ -102,11 +106,12 @@ def check_arguments(args, parser) -> None:
 
 
 def stage_counts(args, world: int) -> list[int]:
+    pipelines = args.pipelining_pipelines
     if args.pipelining_stages is None:
-        return [stages for stages in DEFAULT_STAGES if stages <= world]
-    if too_many := [stages for stages in args.pipelining_stages if stages > world]:
-        raise ValueError(f"smfree bench: --pipelining-stages {too_many} need more ranks than "
-                         f"the {world} of this run")
+        return [stages for stages in DEFAULT_STAGES if stages * pipelines <= world]
+    if too_many := [stages for stages in args.pipelining_stages if stages * pipelines > world]:
+        raise ValueError(f"smfree bench: --pipelining-stages {too_many} x --pipelining-pipelines "
+                         f"{pipelines} need more ranks than the {world} of this run")
     return args.pipelining_stages
 
 
@@ -144,7 +149,7 @@ class Pipeline:
             pipelining.PipelineStage(
                 mlp(hidden, args.pipelining_layers // per_rank, SEED + index, ctx.device, dtype),
                 index, total, ctx.device, group=group)
-            for index in stage_indices(ctx.rank, stages, per_rank, placement)]
+            for index in stage_indices(dist.get_rank(group), stages, per_rank, placement)]
         schedule_class = getattr(pipelining, cls)
         self.schedule = schedule_class(self.stages[0] if per_rank == 1 else self.stages,
                                        args.pipelining_microbatches, loss_fn=mse)
@@ -200,22 +205,27 @@ def run_step(ctx: Ctx, pipeline: Pipeline | None, clock: WaitClock
             {kind: list(times) for kind, times in clock.posts.items()})
 
 
-def subgroups(ctx: Ctx, stages: int) -> dict[str, dist.ProcessGroup | None]:
-    """Each backend's group over ranks 0 .. stages - 1 (None on the other ranks)."""
+def subgroups(ctx: Ctx, stages: int, pipelines: int) -> dict[str, dist.ProcessGroup | None]:
+    """Each backend's group over this rank's pipeline, ranks p * stages .. (p + 1) * stages - 1
+    (None on the ranks of no pipeline). Every rank creates every pipeline's groups, in order."""
     if stages == ctx.world:
         return dict(ctx.groups)
-    ranks = list(range(stages))
     timeout = timedelta(seconds=ctx.timeout_s)
-    groups = {"smfree": dist.new_group(ranks, timeout=timeout, backend="smfree"),
-              ctx.reference: dist.new_group(ranks, timeout=timeout, backend=ctx.reference)}
-    return {backend: group if ctx.rank < stages else None for backend, group in groups.items()}
+    mine = {backend: None for backend in ctx.backends}
+    for pipeline in range(pipelines):
+        ranks = list(range(pipeline * stages, (pipeline + 1) * stages))
+        for backend in ctx.backends:
+            group = dist.new_group(ranks, timeout=timeout, backend=backend)
+            if ctx.rank in ranks:
+                mine[backend] = group
+    return mine
 
 
 def measure(ctx: Ctx, name: str, groups: dict, stages: int, rows: int, clock: WaitClock,
             args) -> dict | None:
     """One schedule at one size over both backends: this rank's samples (None off the
     pipeline). Every rank takes part in every step's barrier."""
-    member = ctx.rank < stages
+    member = groups["smfree"] is not None
     pipelines = {backend: Pipeline(name, groups[backend], ctx, stages, rows, args) if member
                  else None for backend in ctx.backends}
     samples = {backend: {"step_s": [], "wait_step_s": [], "post_step_s": [], "waits": {},
@@ -293,12 +303,12 @@ def run(ctx: Ctx, args) -> dict:
     clock = WaitClock()
     with pipelining_waits(clock):
         for stages in stage_counts(args, ctx.world):
-            groups = subgroups(ctx, stages)
+            groups = subgroups(ctx, stages, args.pipelining_pipelines)
             for name, size in itertools.product(args.pipelining_schedules, args.pipelining_sizes):
                 ctx.arm_watchdog()  # a whole section may run longer than the group timeout
                 rows = size // (args.pipelining_hidden * dtype.itemsize)
                 samples = measure(ctx, name, groups, stages, rows, clock, args)
-                row = {"stages": stages, "schedule": name,
+                row = {"stages": stages, "pipelines": args.pipelining_pipelines, "schedule": name,
                        "stages_per_rank": KNOWN_SCHEDULES[name][1], "bytes": size, "rows": rows,
                        **summarize(gather(ctx, samples), ctx.backends, args.pipelining_steps)}
                 rows_out.append(row)
@@ -313,6 +323,7 @@ def run(ctx: Ctx, args) -> dict:
         "schedules": args.pipelining_schedules,
         "unavailable": [name for name in KNOWN_SCHEDULES if name not in SCHEDULES],
         "stages": stage_counts(args, ctx.world),
+        "pipelines": args.pipelining_pipelines,
         "microbatches": args.pipelining_microbatches,
         "hidden": args.pipelining_hidden,
         "layers_per_rank": args.pipelining_layers,
@@ -321,9 +332,9 @@ def run(ctx: Ctx, args) -> dict:
         "rounds": args.pipelining_rounds,
         "steps_per_round": args.pipelining_steps,
         "units": {
-            "step_ms": "ms per step, the slowest pipeline rank's, from a barrier until its "
-                       "device is done; median, quartiles, extremes over every timed step; "
-                       "iqr_pct and range_pct as % of the median",
+            "step_ms": "ms per step, the slowest rank's of every pipeline, from a barrier "
+                       "until its device is done; median, quartiles, extremes over every "
+                       "timed step; iqr_pct and range_pct as % of the median",
             "paired": "per round, the median step over smfree / over the reference (the "
                       "backends alternate which runs first), and the spread of those ratios",
             "ratio": "median step over smfree / median step over the reference",
@@ -365,7 +376,7 @@ def print_section(section: dict) -> None:
         print(f"not in this torch: {', '.join(section['unavailable'])}")
     rows, waits, posts = [], [], []
     for row in section["rows"]:
-        where = [str(row["stages"]), row["schedule"], format_size(row["bytes"])]
+        where = [stages_cell(row), row["schedule"], format_size(row["bytes"])]
         paired = row["paired"]
         rows.append(where + [
             cell for b in backends
@@ -392,6 +403,12 @@ def print_section(section: dict) -> None:
                           "step); ms/step: a step's time posting, the most of any rank", posts)):
         print(f"\n{title}")
         print(format_table(columns, table), flush=True)
+
+
+def stages_cell(row: dict) -> str:
+    """"4", or "4 x 2" for two pipelines of 4 stages side by side."""
+    pipelines = row.get("pipelines", 1)
+    return f"{row['stages']}" + (f" x {pipelines}" if pipelines > 1 else "")
 
 
 def agreement(comparison: dict) -> str:
