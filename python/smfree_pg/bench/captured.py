@@ -39,6 +39,8 @@ CAPTURE_MODE = "thread_local"
 # The floor probes, measured beside the backends (BareCopies).
 PROBES = ("two_copies", "one_copy")
 PROBE_TITLES = {"two_copies": "bare 2 copies", "one_copy": "bare 1 copy"}
+# What the GEMM runs under, besides alone.
+LOADS = (*CUDA_BACKENDS, *PROBES)
 
 
 def add_arguments(parser) -> None:
@@ -249,15 +251,14 @@ def measure_overlap(ctx: Ctx, args) -> dict:
     a = torch.randn(n, n, device=ctx.device, dtype=torch.bfloat16)
     matrices = (a, torch.randn_like(a), torch.empty_like(a))
     traffic = CapturedTraffic(ctx, args.overlap_chunk, replays)
-    loads = (*CUDA_BACKENDS, *PROBES)
-    samples = overlap.trial_rounds(ctx, traffic, matrices, args, "captured overlap", loads)
+    samples = overlap.trial_rounds(ctx, traffic, matrices, args, "captured overlap", LOADS)
     traffic.graphs.clear()
     traffic.bare.close(ctx)
     bytes_each_way = replays * args.overlap_chunk
     return {"gemm_n": n, "gemms": args.gemms, "preheat_gemms": args.overlap_preheat,
             "chunk_bytes": args.overlap_chunk, "replays": replays,
             "bytes_each_way": bytes_each_way, "reps": args.overlap_reps,
-            "ranks": gather(ctx, overlap.summarize_overlap(samples, n, bytes_each_way, loads))}
+            "ranks": gather(ctx, overlap.summarize_overlap(samples, n, bytes_each_way, LOADS))}
 
 
 def run(ctx: Ctx, args) -> dict:
@@ -296,16 +297,15 @@ def print_section(section: dict) -> None:
     print(f"\nCaptured overlap: bf16 GEMM {lap['gemm_n']}^3 x {lap['gemms']} while a captured "
           f"exchange of {format_size(lap['chunk_bytes'])} is replayed {lap['replays']} times "
           f"(median of {lap['reps']} rounds)")
-    loads = (*CUDA_BACKENDS, *PROBES)
     rows = []
     for rank, summary in enumerate(lap["ranks"][:2]):
         rows.append([str(rank), num(summary["alone_ms"], 3),
-                     *(f"{summary[load]['paired_slowdown_pct']:+.1f} %" for load in loads),
-                     *(num(summary[load]["transfer_GBps"], 1) for load in loads),
-                     "yes" if all(summary[load]["covered"] for load in loads)
+                     *(f"{summary[load]['paired_slowdown_pct']:+.1f} %" for load in LOADS),
+                     *(num(summary[load]["transfer_GBps"], 1) for load in LOADS),
+                     "yes" if all(summary[load]["covered"] for load in LOADS)
                      else "no: raise --overlap-bytes"])
     titles = {"smfree": "smfree", "nccl": "NCCL", **PROBE_TITLES}
-    print(format_table(["rank", "ms/GEMM alone", *(f"slowdown +{titles[load]}" for load in loads),
-                        *(f"{titles[load]} GB/s" for load in loads), "traffic covered the loop"],
+    print(format_table(["rank", "ms/GEMM alone", *(f"slowdown +{titles[load]}" for load in LOADS),
+                        *(f"{titles[load]} GB/s" for load in LOADS), "traffic covered the loop"],
                        rows))
     sys.stdout.flush()
