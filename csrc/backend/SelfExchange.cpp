@@ -9,6 +9,7 @@
 #include "engine/Error.h"
 #include "engine/Log.h"
 #include "engine/cuda/Capture.h"
+#include "engine/cuda/Copies.h"
 
 namespace smfree {
 namespace {
@@ -161,12 +162,7 @@ void SelfExchange::copyOnGpu(const std::shared_ptr<Op>& send, const std::shared_
   // The later op's current stream, after the earlier op's stream as it was at its post.
   const c10::Stream stream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(device);
   earlier->posted->block(stream);
-  // Raw bytes, like any other peer's transfer. A copy between contiguous tensors of one dtype
-  // on one device is a single device-to-device cudaMemcpyAsync on the current stream, no
-  // kernel (ATen's copy_device_to_device).
-  const auto bytes = at::TensorOptions().dtype(at::kByte).device(device);
-  const auto count = static_cast<int64_t>(send->desc.bytes);
-  at::from_blob(recv->data, {count}, bytes).copy_(at::from_blob(send->data, {count}, bytes));
+  queueCopy(*send, *recv, static_cast<CUstream>(stream.native_handle()), device.index());
   auto copied = std::make_shared<c10::Event>(c10::DeviceType::CUDA);
   copied->record(stream);
   send->work->onQueued(copied);
@@ -183,6 +179,22 @@ void SelfExchange::copyOnGpu(const std::shared_ptr<Op>& send, const std::shared_
     startWatcher();
   }
   wake_.notify_all();
+}
+
+void SelfExchange::queueCopy(const Op& send, const Op& recv, CUstream stream, int device) {
+  // Raw bytes, like any other peer's transfer, by the engine's copies: this driver runs a copy
+  // within one GPU on SMs, so they pass through another GPU's memory on copy engines.
+  const engine::cuda::Place to{reinterpret_cast<CUdeviceptr>(recv.data), device};
+  const engine::cuda::Place from{reinterpret_cast<CUdeviceptr>(send.data), device};
+  constexpr const char* kWhat = "cuMemcpyAsync (to the rank itself)";
+  if (!send.capture) {
+    engine::cuda::queueCopy(stream, device, to, from, send.desc.bytes, kWhat);
+    return;
+  }
+  // The graph's replays pass through its bounce: the graph keeps it.
+  std::unique_ptr<engine::cuda::BounceLease> bounce;
+  engine::cuda::queueCopyThrough(stream, device, to, from, send.desc.bytes, bounce, kWhat);
+  engine::cuda::keepWithGraph(engine::cuda::captureOf(stream)->graph, std::move(bounce));
 }
 
 std::string SelfExchange::captureMismatch(const Op& send, const Op& recv) const {

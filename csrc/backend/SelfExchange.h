@@ -16,15 +16,17 @@
 
 #include "backend/SelfWork.h"
 #include "engine/TensorDesc.h"
+#include "engine/cuda/Copies.h"
 
 namespace smfree {
 
 // Sends and recvs whose peer is this rank itself, as the V-shaped pipeline schedules post them
 // (a rank holds two stages, one feeding the other). Their bytes never leave the process, so the
 // engine never sees them: they are matched here, per tag in posting order like any other
-// peer's, and moved with one copy: a memmove for CPU tensors; for CUDA tensors a device-to-device
-// cudaMemcpyAsync (no kernel) on the later-posted op's current stream, after the earlier op's
-// stream as it was when that op was posted. A recv from any source does not take them.
+// peer's, and moved: a memmove for CPU tensors; for CUDA tensors the engine's copy on the
+// later-posted op's current stream (two copy-engine hops through another GPU's memory), after
+// the earlier op's stream as it was when that op was posted. A recv from any source does not
+// take them.
 class SelfExchange {
  public:
   using Clock = std::chrono::steady_clock;
@@ -73,6 +75,8 @@ class SelfExchange {
                 const std::shared_ptr<Op>& earlier);
   void copyOnGpu(const std::shared_ptr<Op>& send, const std::shared_ptr<Op>& recv,
                  const std::shared_ptr<Op>& earlier);
+  // The copy of `send`'s bytes into `recv`'s on `stream`, with copy engines only.
+  static void queueCopy(const Op& send, const Op& recv, CUstream stream, int device);
   std::string mismatch(const Op& send, const Op& recv) const;
   std::string captureMismatch(const Op& send, const Op& recv) const;
   void startWatcher();  // under mutex_

@@ -117,9 +117,27 @@ def test_captured_exchanges_replay_the_right_bytes(order, connections, mode):
         if nodes:  # this torch kept the graphs: smfree put no kernel node in them
             assert set(nodes) <= {"memcpy", "batch_mem_op", "empty", "event_record",
                                   "wait_event"}, nodes
-            assert nodes["memcpy"] == 2 * len(SIZES), nodes  # into the slot, out of the peer's
+            assert nodes["memcpy"] == _memcpy_nodes(rank, peer), nodes
             assert nodes["batch_mem_op"] >= 2 * len(SIZES), nodes
         assert (slots, slot_bytes) == (len(SIZES), sum(SIZES))
+
+
+def _chunks(size):
+    """Passes of a copy within one GPU through its bounce: a power of two from 1 MiB to 16 MiB."""
+    bounce = 1 << 20
+    while bounce < size and bounce < 16 << 20:
+        bounce *= 2
+    return -(-size // bounce)
+
+
+def _memcpy_nodes(rank, peer, sizes=SIZES):
+    """Memcpy nodes of one rank's graphs of one exchange per size. A send's slot lies on the GPU
+    after its own (every GPU of the test machine reaches every other): one copy into it; a recv
+    reads its sender's slot in one copy, or in two per chunk through a bounce where that slot
+    lies on its own GPU."""
+    gpus = torch.cuda.device_count()
+    peer_slot_here = (peer + 1) % gpus == rank
+    return sum(1 + (2 * _chunks(size) if peer_slot_here else 1) for size in sizes)
 
 
 def _graph_of_one_exchange(rank, numel):
@@ -153,10 +171,12 @@ def _replays_under_the_profiler(rank, world, numel, replays):
 def test_replays_run_copies_and_no_kernel():
     COPY_ENGINE.skip_unless_ranks(2)
     replays = 10
-    for kernels, copies, ok in COPY_ENGINE.run(_replays_under_the_profiler, 2, 1 << 18, replays):
+    numel = 1 << 18
+    results = COPY_ENGINE.run(_replays_under_the_profiler, 2, numel, replays)
+    for rank, (kernels, copies, ok) in enumerate(results):
         assert ok
         assert kernels == {}, f"a replay ran kernels: {kernels}"
-        assert copies == 2 * replays
+        assert copies == replays * _memcpy_nodes(rank, 1 - rank, [4 * numel])
 
 
 def _freed_after_its_send(rank, world, numel, replays):

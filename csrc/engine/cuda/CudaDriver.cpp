@@ -83,6 +83,22 @@ void check(CUresult result, const char* what) {
   }
 }
 
+bool enablePeerAccess(int device, int peer) {
+  int reachable = 0;
+  CUdevice from = 0;
+  CUdevice to = 0;
+  check(driver().cuDeviceGet(&from, device), "cuDeviceGet");
+  check(driver().cuDeviceGet(&to, peer), "cuDeviceGet");
+  check(driver().cuDeviceCanAccessPeer(&reachable, from, to), "cuDeviceCanAccessPeer");
+  if (!reachable) return false;
+  ContextGuard context(device);
+  const CUresult result = driver().cuCtxEnablePeerAccess(primaryContext(peer), 0);
+  if (result != CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED) {
+    check(result, "cuCtxEnablePeerAccess");
+  }
+  return true;
+}
+
 ContextGuard::ContextGuard(int device) {
   relaxIfEngineThread();
   check(driver().cuCtxPushCurrent(primaryContext(device)), "cuCtxPushCurrent");

@@ -20,9 +20,11 @@ namespace smfree::engine::cuda {
   X(cuDevicePrimaryCtxRetain)\
   X(cuCtxPushCurrent)\
   X(cuCtxPopCurrent)\
+  X(cuCtxEnablePeerAccess)\
   X(cuStreamCreate)\
   X(cuStreamDestroy)\
   X(cuStreamSynchronize)\
+  X(cuStreamGetId)\
   X(cuStreamWaitValue32)\
   X(cuStreamWriteValue32)\
   X(cuStreamBatchMemOp)\
@@ -70,6 +72,10 @@ const Driver& driver();
 std::string errorText(CUresult result);
 // Throws Error("smfree: CUDA <what> failed: <driver message>") unless result is CUDA_SUCCESS.
 void check(CUresult result, const char* what);
+
+// Lets `device`'s primary context reach `peer`'s memory (cuMemAlloc'd there) directly over
+// NVLink; false where the two devices cannot reach each other.
+bool enablePeerAccess(int device, int peer);
 
 // Makes a device's primary context (the one torch uses) current for a scope.
 class ContextGuard {

@@ -4,6 +4,7 @@
 
 #include "engine/Error.h"
 #include "engine/Log.h"
+#include "engine/cuda/Copies.h"
 #include "engine/cuda/CudaDriver.h"
 #include "engine/cuda/StreamMemoryOps.h"
 
@@ -65,8 +66,10 @@ CudaFence CapturedChannel::prepare(Op& op, const PostOptions& options) {
 
 void CapturedChannel::queueSend(CapturedOp& send) {
   const Buffer& buffer = send.buffer;
-  send.slot = std::make_unique<cuda::DeviceMemory>(buffer.device, buffer.bytes);
-  log(LogLevel::kInfo, send.what, ": a slot of ", buffer.bytes, " B on cuda:", buffer.device,
+  const int bounceDevice = cuda::bounceDevice(buffer.device);
+  const int slotDevice = bounceDevice >= 0 ? bounceDevice : buffer.device;
+  send.slot = std::make_unique<cuda::DeviceMemory>(slotDevice, buffer.bytes);
+  log(LogLevel::kInfo, send.what, ": a slot of ", buffer.bytes, " B on cuda:", slotDevice,
       " for the life of its graph");
   send.full = std::make_unique<cuda::OwnedFlag>(flags_);
   send.empty = std::make_unique<cuda::OwnedFlag>(flags_);
@@ -76,9 +79,9 @@ void CapturedChannel::queueSend(CapturedOp& send) {
   void* empty = flags_.cudaAddress(send.empty->get().index);
   const CUstream chain = chains_.join(send.captureId, buffer.device, *send.posted);
   takeWord(chain, waiting, empty, "cuStreamBatchMemOp (captured send: wait for its slot)");
-  cuda::check(cuda::driver().cuMemcpyAsync(send.slot->address(), address(buffer.data),
-                                           buffer.bytes, chain),
-              "cuMemcpyAsync (captured send, into its slot)");
+  cuda::queueCopyThrough(chain, buffer.device, {send.slot->address(), slotDevice},
+                         {address(buffer.data), buffer.device}, buffer.bytes, send.bounce,
+                         "cuMemcpyAsync (captured send, into its slot)");
   cuda::writeWord(chain, flags_.cudaAddress(send.full->get().index), 1,
                   "cuStreamWriteValue32 (captured send: slot full)");
   send.done->record(chain);
@@ -96,8 +99,9 @@ void CapturedChannel::queueRecv(CapturedOp& recv) {
            "cuStreamBatchMemOp (captured recv: wait for its sender's slot)");
   const CUdeviceptr slot = recv.sourceSlot->address() +
                            (recv.source.memory.address - recv.source.memory.start());
-  cuda::check(cuda::driver().cuMemcpyAsync(address(buffer.data), slot, buffer.bytes, chain),
-              "cuMemcpyAsync (captured recv, out of its sender's slot)");
+  cuda::queueCopyThrough(chain, buffer.device, {address(buffer.data), buffer.device},
+                         {slot, recv.source.memory.device}, buffer.bytes, recv.bounce,
+                         "cuMemcpyAsync (captured recv, out of its sender's slot)");
   cuda::writeWord(chain, words.cudaAddress(recv.source.empty.index), 1,
                   "cuStreamWriteValue32 (captured recv: slot emptied)");
   recv.done->record(chain);

@@ -10,6 +10,7 @@
 
 #include "engine/Op.h"
 #include "engine/channels/captured/GraphWait.h"
+#include "engine/cuda/Bounce.h"
 #include "engine/cuda/DeviceMemory.h"
 #include "engine/cuda/Event.h"
 #include "engine/cuda/FlagSegment.h"
@@ -57,7 +58,8 @@ struct CapturedOp {
   std::unique_ptr<cuda::Event> posted;       // the caller's stream at the post
   std::unique_ptr<cuda::Event> done;         // after the op's last node in the graph
 
-  // Send: its slot, and the words of its handshake (this process's).
+  // Send: its slot, and the words of its handshake (this process's). The slot lies on another
+  // GPU than the tensor (its bounce device), so that the copy into it runs on a copy engine.
   std::unique_ptr<cuda::DeviceMemory> slot;
   std::unique_ptr<cuda::OwnedFlag> full;
   std::unique_ptr<cuda::OwnedFlag> empty;
@@ -66,6 +68,10 @@ struct CapturedOp {
   CapturedSlot source;
   std::shared_ptr<cuda::RemoteFlagSegment> sourceWords;
   std::unique_ptr<cuda::PeerMapping> sourceSlot;
+
+  // What a copy within one GPU passes through, as long as the graph: a recv's where its
+  // sender's slot lies on its own GPU, a send's where no other GPU holds its slot.
+  std::unique_ptr<cuda::BounceLease> bounce;
 
   std::atomic<Phase> phase{Phase::kPosted};
   std::mutex mutex;  // callers' threads: a recv's nodes are queued once

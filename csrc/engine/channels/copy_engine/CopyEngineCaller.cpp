@@ -6,12 +6,16 @@
 #include <thread>
 
 #include "engine/Log.h"
+#include "engine/cuda/Bounce.h"
 #include "engine/cuda/CudaDriver.h"
 #include "engine/cuda/StreamMemoryOps.h"
 
 namespace smfree::engine {
 
 CudaFence CopyEngineChannel::prepare(Op& op, const PostOptions& options) {
+  // Where copies within this GPU will bounce is settled (and that GPU's context made) at the
+  // device's first op, not in the middle of a transfer.
+  cuda::bounceDevice(op.request.buffer.device);
   cudaOps_.admit(options.timeout);
   auto state = std::make_unique<CopyEngineOp>();
   try {

@@ -7,6 +7,7 @@
 #include "engine/Error.h"
 #include "engine/Log.h"
 #include "engine/Peer.h"
+#include "engine/cuda/Copies.h"
 #include "engine/cuda/CudaDriver.h"
 #include "engine/cuda/StreamMemoryOps.h"
 
@@ -236,10 +237,9 @@ void CopyEngineChannel::enqueueCopy(const Transfer& transfer, CUstream stream) {
   void* destination =
       ipc_.acquire(peer.address.processKey, ownerPidfd, clearance.destination, device);
   try {
-    cuda::check(cuda::driver().cuMemcpyAsync(address(destination),
-                                             address(send.request.buffer.data),
-                                             send.request.buffer.bytes, stream),
-                "cuMemcpyAsync");
+    cuda::queueCopy(stream, device, {address(destination), clearance.destination.device},
+                    {address(send.request.buffer.data), device}, send.request.buffer.bytes,
+                    "cuMemcpyAsync");
     state.copied->record(stream);
     // Last, so that a failure to enqueue it leaves no write of the GPU's behind the
     // kSenderGaveUp that the caller then writes.
@@ -259,9 +259,9 @@ void CopyEngineChannel::enqueueStagedCopy(Transfer& send, const StagedSlot& slot
   // `produced` was submitted when the send was posted; the slot is empty (nextFree()).
   state.produced->waitOn(stream);
   const CUdeviceptr to = send.remote->slotAddress(slot, op.request.buffer.device);
-  cuda::check(cuda::driver().cuMemcpyAsync(to, address(op.request.buffer.data),
-                                           op.request.buffer.bytes, stream),
-              "cuMemcpyAsync (to a staging slot)");
+  cuda::queueCopy(stream, op.request.buffer.device, {to, send.remote->device()},
+                  {address(op.request.buffer.data), op.request.buffer.device},
+                  op.request.buffer.bytes, "cuMemcpyAsync (to a staging slot)");
   state.copied->record(stream);
   const cuda::Flag full = send.remote->full(slot);
   cuda::writeWord(stream, send.peerFlags->cudaAddress(full.index), full.value,
@@ -320,10 +320,9 @@ void CopyEngineChannel::enqueueCopyOut(const Op& recv, StagingRing& ring, const 
   const cuda::Flag full = ring.full(slot);
   cuda::waitForRemoteWrites(stream, device, flags_.cudaAddress(full.index), full.value,
                             "cuStreamWaitValue32 (staging slot full)");
-  cuda::check(cuda::driver().cuMemcpyAsync(address(recv.request.buffer.data),
-                                           ring.slotAddress(slot.slot), recv.request.buffer.bytes,
-                                           stream),
-              "cuMemcpyAsync (out of a staging slot)");
+  cuda::queueCopy(stream, device, {address(recv.request.buffer.data), recv.request.buffer.device},
+                  {ring.slotAddress(slot.slot), device}, recv.request.buffer.bytes,
+                  "cuMemcpyAsync (out of a staging slot)");
   const cuda::Flag copied = state.done.plus(kCopied);
   cuda::writeWord(stream, flags_.cudaAddress(copied.index), copied.value,
                   "cuStreamWriteValue32 (done)");

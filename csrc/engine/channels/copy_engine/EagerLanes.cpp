@@ -4,6 +4,7 @@
 
 #include "engine/Error.h"
 #include "engine/Log.h"
+#include "engine/cuda/Copies.h"
 #include "engine/cuda/CudaDriver.h"
 #include "engine/cuda/StreamMemoryOps.h"
 
@@ -106,10 +107,10 @@ void EagerLanes::enqueueFill(Outgoing& lane, const EagerSlot& eager, const Buffe
   }
   // `produced` is recorded; the slot is empty. No wait for anything of the receiver's.
   produced.waitOn(copyStream);
-  cuda::check(cuda::driver().cuMemcpyAsync(lane.ring->slotAddress(eager.staged, buffer.device),
-                                           reinterpret_cast<CUdeviceptr>(buffer.data),
-                                           buffer.bytes, copyStream),
-              "cuMemcpyAsync (to an eager slot)");
+  cuda::queueCopy(copyStream, buffer.device,
+                  {lane.ring->slotAddress(eager.staged, buffer.device), eager.device},
+                  {reinterpret_cast<CUdeviceptr>(buffer.data), buffer.device}, buffer.bytes,
+                  "cuMemcpyAsync (to an eager slot)");
   copied.record(copyStream);
   const cuda::Flag full = lane.ring->full(eager.staged);
   cuda::writeWord(copyStream, lane.words->cudaAddress(full.index), full.value,
@@ -275,10 +276,9 @@ bool EagerLanes::queueCopyOutLocked(EagerRecv& recv, CUstream stream) {
   const cuda::Flag full = recv.ring->full(eager.staged);
   cuda::waitForRemoteWrites(stream, device, flags_.cudaAddress(full.index), full.value,
                             "cuStreamWaitValue32 (eager slot full)");
-  cuda::check(cuda::driver().cuMemcpyAsync(reinterpret_cast<CUdeviceptr>(recv.buffer.data),
-                                           recv.ring->slotAddress(eager.staged.slot),
-                                           recv.buffer.bytes, stream),
-              "cuMemcpyAsync (out of an eager slot)");
+  cuda::queueCopy(stream, device, {reinterpret_cast<CUdeviceptr>(recv.buffer.data), device},
+                  {recv.ring->slotAddress(eager.staged.slot), recv.ring->device()},
+                  recv.buffer.bytes, "cuMemcpyAsync (out of an eager slot)");
   recv.copied = cuda::takeEvent(device);
   recv.copied->record(stream);
   const cuda::Flag emptied = recv.ring->emptied(eager.staged);

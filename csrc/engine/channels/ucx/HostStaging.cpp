@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "engine/Log.h"
+#include "engine/cuda/Copies.h"
 #include "engine/cuda/CudaDriver.h"
 #include "engine/cuda/StreamMemoryOps.h"
 
@@ -31,11 +32,14 @@ PieceSpan spanOf(const CallerStaging& staging, uint32_t piece) {
 
 void* addressIn(void* base, uint64_t offset) { return static_cast<char*>(base) + offset; }
 
-void copyOn(CUstream stream, const char* direction, const void* to, const void* from,
-            uint64_t bytes) {
-  cuda::check(cuda::driver().cuMemcpyAsync(reinterpret_cast<CUdeviceptr>(to),
-                                           reinterpret_cast<CUdeviceptr>(from), bytes, stream),
-              concat("cuMemcpyAsync (", direction, ")").c_str());
+// Between `device`'s memory and pinned host memory, `direction` (kToHost or kToDevice).
+void copyOn(CUstream stream, int device, const char* direction, const void* to,
+            const void* from, uint64_t bytes) {
+  const bool toHost = direction == kToHost;
+  const cuda::Place target{reinterpret_cast<CUdeviceptr>(to), toHost ? cuda::kHostMemory : device};
+  const cuda::Place source{reinterpret_cast<CUdeviceptr>(from), toHost ? device : cuda::kHostMemory};
+  cuda::queueCopy(stream, device, target, source, bytes,
+                  concat("cuMemcpyAsync (", direction, ")").c_str());
 }
 
 uint64_t sizeClass(uint64_t bytes) {
@@ -111,7 +115,7 @@ std::shared_ptr<cuda::Event> HostStaging::copy(Streams& streams, int device, con
   std::lock_guard<std::mutex> lock(streamsMutex_);
   const cuda::Stream& stream = streamOf(streams, device, direction);
   cuda::ContextGuard context(device);
-  copyOn(stream.handle(), direction, to, from, bytes);
+  copyOn(stream.handle(), device, direction, to, from, bytes);
   std::shared_ptr<cuda::Event> copied = cuda::takeEvent(device);
   copied->record(stream.handle());
   return copied;
@@ -143,7 +147,7 @@ void HostStaging::copyOutInPieces(const CallerStaging& staging, cuda::FlagSegmen
   void* progress = flags.cudaAddress(staging.progress.index);
   for (uint32_t piece = 0; piece < staging.pieces; ++piece) {
     const PieceSpan span = spanOf(staging, piece);
-    copyOn(stream, kToHost, addressIn(staging.host->data(), span.offset),
+    copyOn(stream, staging.device, kToHost, addressIn(staging.host->data(), span.offset),
            addressIn(staging.data, span.offset), span.bytes);
     cuda::writeWord(stream, progress, staging.progress.value + piece,
                     "cuStreamWriteValue32 (staged piece out)");
@@ -161,7 +165,7 @@ void HostStaging::copyInAsPiecesLand(const CallerStaging& staging, cuda::FlagSeg
     const PieceSpan span = spanOf(staging, piece);
     cuda::waitAtLeast(stream, landed, staging.progress.value + piece,
                       "cuStreamWaitValue32 (staged piece landed)");
-    copyOn(stream, kToDevice, addressIn(staging.data, span.offset),
+    copyOn(stream, staging.device, kToDevice, addressIn(staging.data, span.offset),
            addressIn(staging.host->data(), span.offset), span.bytes);
   }
   cuda::writeWord(stream, flags.cudaAddress(staging.copiedIn.index), staging.copiedIn.value,
