@@ -23,15 +23,15 @@ class _IpcHandle(ctypes.Structure):
 
 
 @cache
-def _driver() -> ctypes.CDLL:
+def driver() -> ctypes.CDLL:
     return ctypes.CDLL("libcuda.so.1")
 
 
-def _check(status: int, call: str) -> None:
+def check(status: int, call: str) -> None:
     if status == _SUCCESS:
         return
     name = ctypes.c_char_p()
-    _driver().cuGetErrorName(status, ctypes.byref(name))
+    driver().cuGetErrorName(status, ctypes.byref(name))
     raise RuntimeError(f"smfree bench: {call} failed: "
                        f"{(name.value or b'CUDA error').decode()} ({status})")
 
@@ -51,11 +51,11 @@ def export(tensor: torch.Tensor) -> Exported:
     blocks, not expandable segments)."""
     with torch.cuda.device(tensor.device):
         base, size = ctypes.c_uint64(), ctypes.c_size_t()
-        _check(_driver().cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size),
+        check(driver().cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size),
                                                   ctypes.c_uint64(tensor.data_ptr())),
                "cuMemGetAddressRange")
         handle = _IpcHandle()
-        _check(_driver().cuIpcGetMemHandle(ctypes.byref(handle), base), "cuIpcGetMemHandle")
+        check(driver().cuIpcGetMemHandle(ctypes.byref(handle), base), "cuIpcGetMemHandle")
     return Exported(bytes(handle), tensor.data_ptr() - base.value,
                     tensor.numel() * tensor.element_size())
 
@@ -69,7 +69,7 @@ class Mapping:
         handle = _IpcHandle.from_buffer_copy(exported.handle)
         base = ctypes.c_uint64()
         with torch.cuda.device(device):
-            _check(_driver().cuIpcOpenMemHandle_v2(ctypes.byref(base), handle,
+            check(driver().cuIpcOpenMemHandle_v2(ctypes.byref(base), handle,
                                                     _IPC_LAZY_ENABLE_PEER_ACCESS),
                    "cuIpcOpenMemHandle")
         self.base = base.value
@@ -79,7 +79,7 @@ class Mapping:
     def close(self) -> None:
         if self.base:
             with torch.cuda.device(self.device):
-                _check(_driver().cuIpcCloseMemHandle(ctypes.c_uint64(self.base)),
+                check(driver().cuIpcCloseMemHandle(ctypes.c_uint64(self.base)),
                        "cuIpcCloseMemHandle")
             self.base = 0
 
@@ -88,6 +88,6 @@ def copy_async(dst: int, src: int, size: int, stream: torch.cuda.Stream) -> None
     """Copies `size` bytes between device addresses of any two GPUs on `stream` (a memcpy node
     when the stream captures)."""
     with torch.cuda.device(stream.device):
-        _check(_driver().cuMemcpyAsync(ctypes.c_uint64(dst), ctypes.c_uint64(src),
+        check(driver().cuMemcpyAsync(ctypes.c_uint64(dst), ctypes.c_uint64(src),
                                        ctypes.c_size_t(size), ctypes.c_void_p(stream.cuda_stream)),
                "cuMemcpyAsync")

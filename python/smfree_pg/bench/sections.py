@@ -6,8 +6,8 @@ print_section(section) (rank 0's table).
 """
 
 from smfree_pg.bench import (alltoall, bandwidth, captured, overlap, pipeline, pipelining,
-                             profile, roundtrip)
+                             profile, roundtrip, starvation)
 
 SECTIONS = {module.NAME: module
             for module in (bandwidth, overlap, profile, pipeline, pipelining, roundtrip, captured,
-                           alltoall)}
+                           alltoall, starvation)}

@@ -1,0 +1,41 @@
+"""Zero SMs: every same-host CUDA op finishes while a kernel holds every SM of both GPUs (a copy
+the driver ran as a kernel of its own would wait for the hold to end): eager, rendezvous and
+any-source exchanges, exchanges captured in CUDA graphs (batched and unbatched, 4 KiB to
+256 MiB), ops to the rank itself. A kernel queued the same way must end only after the hold,
+or the GPUs were not held; a bare copy to host memory must end during it; every op's bytes are
+checked after.
+
+With the default hardware queues only: under CUDA_DEVICE_MAX_CONNECTIONS=1 every stream shares
+one queue, which runs a stream memory operation only once every kernel queued before it (on
+any stream) has ended, so an op's flags wait for the hold there whatever runs its copies
+(docs/design.md, "Zero SMs")."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import channels
+from smfree_pg.bench.starvation import StoreSync, held_paths
+
+pytestmark = pytest.mark.gpu
+
+COPY_ENGINE = channels.COPY_ENGINE
+
+
+def _every_path_held(rank, world):
+    return held_paths(dist.group.WORLD, rank, 1 - rank, torch.device("cuda", rank),
+                      StoreSync([0, 1], rank, "zero-sm"),
+                      sizes=[4 << 10, 1 << 20, 16 << 20, 64 << 20],  # eager, and rendezvous
+                      captured_sizes=[4 << 10, 1 << 20, 64 << 20, 256 << 20], hold_ms=600)
+
+
+def test_every_same_host_op_finishes_while_every_sm_is_held():
+    COPY_ENGINE.skip_unless_ranks(2)
+    results = COPY_ENGINE.run(_every_path_held, 2, timeout=300,
+                              env={"CUDA_DEVICE_MAX_CONNECTIONS": "8"})
+    for rank, seen in enumerate(results):
+        for name, times in seen.items():
+            assert not times["control_during"], (
+                f"rank {rank}, {name}: the control kernel ended during the hold: not held {times}")
+        needed = {name: times for name, times in seen.items() if not times["during"]}
+        assert not needed, f"rank {rank}: ops that waited for the hold (needed an SM): {needed}"
