@@ -27,6 +27,14 @@ Transport parseTransport(const char* text) {
   fail("SMFREE_TRANSPORT='", value, "' is not one of auto, copy_engine, ucx");
 }
 
+cuda::LocalCopies parseLocalCopies(const char* text) {
+  const std::string value = text && *text ? text : "driver";
+  if (value == "driver") return cuda::LocalCopies::kDriver;
+  if (value == "peer_gpu") return cuda::LocalCopies::kPeerGpu;
+  if (value == "host") return cuda::LocalCopies::kHost;
+  fail("SMFREE_LOCAL_COPIES='", value, "' is not one of driver, peer_gpu, host");
+}
+
 long parseNonNegative(const char* name, long fallback) {
   const char* text = std::getenv(name);
   if (!text || !*text) {
@@ -80,6 +88,7 @@ Config Config::fromEnv() {
   constexpr long kMostCudaOps = (cuda::FlagSegment::kWords - kStagingFlagWords) / kFlagsPerCudaOp;
   config.maxCudaOps = parseBetween("SMFREE_MAX_CUDA_OPS", 1024, 1, kMostCudaOps);
   config.transport = parseTransport(std::getenv("SMFREE_TRANSPORT"));
+  config.localCopies = parseLocalCopies(std::getenv("SMFREE_LOCAL_COPIES"));
   config.stagingBytes =
       static_cast<uint64_t>(parseNonNegative("SMFREE_STAGING_BYTES", 16 << 20));
   config.eagerBytes = static_cast<uint64_t>(parseNonNegative("SMFREE_EAGER_BYTES", 16 << 20));

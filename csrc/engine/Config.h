@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <optional>
 
+#include "engine/cuda/Copies.h"
+
 namespace smfree::engine {
 
 enum class LogLevel;
@@ -38,6 +40,9 @@ struct Config {
   // Most CUDA ops a process keeps in flight before a new one waits (SMFREE_MAX_CUDA_OPS).
   size_t maxCudaOps;
   Transport transport;
+  // How copies within one GPU run (SMFREE_LOCAL_COPIES): the driver's (SMs on CUDA 13.0
+  // drivers), or copy-engine hops through a peer GPU's memory or pinned host memory.
+  cuda::LocalCopies localCopies;
   // Largest send that may be staged in the receiver's memory (SMFREE_STAGING_BYTES): the
   // size of each slot of a staging ring; 0 turns staging off.
   uint64_t stagingBytes;

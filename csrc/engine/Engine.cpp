@@ -54,6 +54,8 @@ Engine::Engine(Private)
       ucx_(std::make_unique<UcxContext>(config_)),
       worker_(std::make_unique<UcxWorker>(*ucx_, UcxWorker::Threads::kSingle)),
       cudaOps_(std::make_unique<CudaOps>(config_.maxCudaOps)) {
+  cuda::setLocalCopies(config_.localCopies);
+  log(LogLevel::kInfo, "copies within one GPU: ", cuda::describe(config_.localCopies));
   const Channel::Done onDone = [this](const std::shared_ptr<Op>& op, const Status& status) {
     rendezvous_->onTransferDone(op, status);
   };

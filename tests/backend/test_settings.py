@@ -102,6 +102,18 @@ def test_a_size_that_is_not_a_count_of_bytes_is_refused_by_name(name, value):
     assert f"{name}='{value}' is not a non-negative integer" in result.stderr, result.stderr
 
 
+def test_local_copies_other_than_the_three_ways_are_refused():
+    result = refused(SMFREE_LOCAL_COPIES="sm")
+    assert "SMFREE_LOCAL_COPIES='sm' is not one of driver, peer_gpu, host" in result.stderr, \
+        result.stderr
+
+
+@pytest.mark.parametrize("value,way", [("", "the driver's copies"),
+                                       ("host", "two copy-engine hops through pinned host memory")])
+def test_the_way_copies_within_one_gpu_run_is_logged(value, way):
+    assert f"copies within one GPU: {way}" in engine_log(SMFREE_LOCAL_COPIES=value)
+
+
 @pytest.mark.parametrize("value", ["0", "3841"])
 def test_cuda_ops_in_flight_outside_their_range_are_refused(value):
     result = refused(SMFREE_MAX_CUDA_OPS=value)

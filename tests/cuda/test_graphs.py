@@ -130,11 +130,17 @@ def _chunks(size):
     return -(-size // bounce)
 
 
-def _memcpy_nodes(rank, peer, sizes=SIZES):
-    """Memcpy nodes of one rank's graphs of one exchange per size. A send's slot lies on the GPU
-    after its own (every GPU of the test machine reaches every other): one copy into it; a recv
-    reads its sender's slot in one copy, or in two per chunk through a bounce where that slot
-    lies on its own GPU."""
+def _memcpy_nodes(rank, peer, sizes=SIZES, local_copies="driver"):
+    """Memcpy nodes of one rank's graphs of one exchange per size, by SMFREE_LOCAL_COPIES.
+    driver: one copy into the send's slot on its own GPU, one out of the peer's. peer_gpu: a
+    send's slot lies on the GPU after its own (every GPU of the test machine reaches every
+    other), one copy into it; a recv reads its sender's slot in one copy, or in two per chunk
+    through a bounce where that slot lies on its own GPU. host: two copies per chunk into the
+    slot, through host memory; one out of the peer's."""
+    if local_copies == "driver":
+        return 2 * len(sizes)
+    if local_copies == "host":
+        return sum(2 * _chunks(size) + 1 for size in sizes)
     gpus = torch.cuda.device_count()
     peer_slot_here = (peer + 1) % gpus == rank
     return sum(1 + (2 * _chunks(size) if peer_slot_here else 1) for size in sizes)
@@ -168,15 +174,17 @@ def _replays_under_the_profiler(rank, world, numel, replays):
     return kernels, copies, dst.min().item() == dst.max().item() == float(peer)
 
 
-def test_replays_run_copies_and_no_kernel():
+@pytest.mark.parametrize("local_copies", ["driver", "peer_gpu", "host"])
+def test_replays_run_copies_and_no_kernel(local_copies):
     COPY_ENGINE.skip_unless_ranks(2)
     replays = 10
     numel = 1 << 18
-    results = COPY_ENGINE.run(_replays_under_the_profiler, 2, numel, replays)
+    results = COPY_ENGINE.run(_replays_under_the_profiler, 2, numel, replays,
+                              env={"SMFREE_LOCAL_COPIES": local_copies})
     for rank, (kernels, copies, ok) in enumerate(results):
         assert ok
         assert kernels == {}, f"a replay ran kernels: {kernels}"
-        assert copies == replays * _memcpy_nodes(rank, 1 - rank, [4 * numel])
+        assert copies == replays * _memcpy_nodes(rank, 1 - rank, [4 * numel], local_copies)
 
 
 def _freed_after_its_send(rank, world, numel, replays):

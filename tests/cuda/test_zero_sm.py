@@ -1,5 +1,6 @@
-"""Zero SMs: every same-host CUDA op finishes while a kernel holds every SM of both GPUs (a copy
-the driver ran as a kernel of its own would wait for the hold to end): eager, rendezvous and
+"""Zero SMs: with copies within one GPU bounced (SMFREE_LOCAL_COPIES peer_gpu or host), every
+same-host CUDA op finishes while a kernel holds every SM of both GPUs (a copy the driver ran as
+a kernel of its own would wait for the hold to end): eager, rendezvous and
 any-source exchanges, exchanges captured in CUDA graphs (batched and unbatched, 4 KiB to
 256 MiB), ops to the rank itself. A kernel queued the same way must end only after the hold,
 or the GPUs were not held; a bare copy to host memory must end during it; every op's bytes are
@@ -29,10 +30,12 @@ def _every_path_held(rank, world):
                       captured_sizes=[4 << 10, 1 << 20, 64 << 20, 256 << 20], hold_ms=600)
 
 
-def test_every_same_host_op_finishes_while_every_sm_is_held():
+@pytest.mark.parametrize("local_copies", ["peer_gpu", "host"])
+def test_every_same_host_op_finishes_while_every_sm_is_held(local_copies):
     COPY_ENGINE.skip_unless_ranks(2)
     results = COPY_ENGINE.run(_every_path_held, 2, timeout=300,
-                              env={"CUDA_DEVICE_MAX_CONNECTIONS": "8"})
+                              env={"CUDA_DEVICE_MAX_CONNECTIONS": "8",
+                                   "SMFREE_LOCAL_COPIES": local_copies})
     for rank, seen in enumerate(results):
         for name, times in seen.items():
             assert not times["control_during"], (

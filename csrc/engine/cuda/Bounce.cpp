@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "engine/Log.h"
+#include "engine/cuda/Copies.h"
 #include "engine/cuda/CudaDriver.h"
 
 namespace smfree::engine::cuda {
@@ -91,7 +92,7 @@ int bounceDevice(int device) {
 }
 
 Bounce::Bounce(int device, uint64_t bytes) : device_(device), bytes_(bytes) {
-  const int peer = bounceDevice(device);
+  const int peer = localCopies() == LocalCopies::kPeerGpu ? bounceDevice(device) : -1;
   if (peer >= 0) {
     onPeer_ = std::make_unique<DeviceMemory>(peer, bytes);
   } else {

@@ -14,8 +14,8 @@ namespace smfree::engine::cuda {
 // Memory that a copy within one GPU passes through, so that each of its two hops crosses a
 // device boundary and runs on a copy engine: the CUDA 13.0 driver runs a copy whose source and
 // destination are on one GPU as a kernel of its own, on SMs (docs/design.md, "Zero SMs"). It
-// lies on a peer GPU that the GPU reaches over NVLink (bounceDevice()), or in pinned host
-// memory where there is none (two PCIe hops).
+// lies on a peer GPU that the GPU reaches over NVLink (bounceDevice(); SMFREE_LOCAL_COPIES
+// peer_gpu), or in pinned host memory (host, or where no peer GPU is reachable).
 class Bounce {
  public:
   // For copies within `device`, `bytes` at a time. Throws Error when the memory cannot be had.

@@ -1,6 +1,7 @@
 #include "engine/cuda/Copies.h"
 
 #include <algorithm>
+#include <atomic>
 #include <map>
 #include <mutex>
 #include <utility>
@@ -97,14 +98,35 @@ StreamBounces& streamBounces() {
 
 }  // namespace
 
-bool withinOneGpu(const Place& to, const Place& from) {
-  return to.device != kHostMemory && to.device == from.device;
+namespace {
+std::atomic<LocalCopies> localCopiesSetting{LocalCopies::kDriver};
+}  // namespace
+
+void setLocalCopies(LocalCopies how) { localCopiesSetting.store(how); }
+
+LocalCopies localCopies() { return localCopiesSetting.load(); }
+
+const char* describe(LocalCopies how) {
+  switch (how) {
+    case LocalCopies::kPeerGpu:
+      return "two copy-engine hops through a peer GPU's memory (SMFREE_LOCAL_COPIES=peer_gpu)";
+    case LocalCopies::kHost:
+      return "two copy-engine hops through pinned host memory (SMFREE_LOCAL_COPIES=host)";
+    case LocalCopies::kDriver:
+      break;
+  }
+  return "the driver's copies, which CUDA 13.0 drivers run on SMs (SMFREE_LOCAL_COPIES=driver)";
+}
+
+bool bounced(const Place& to, const Place& from) {
+  return localCopies() != LocalCopies::kDriver && to.device != kHostMemory &&
+         to.device == from.device;
 }
 
 void queueCopy(CUstream stream, int streamDevice, const Place& to, const Place& from,
                uint64_t bytes, const char* what) {
   ContextGuard context(streamDevice);
-  if (!withinOneGpu(to, from)) {
+  if (!bounced(to, from)) {
     queueOne(stream, to.address, from.address, bytes, what);
     return;
   }
@@ -115,7 +137,7 @@ void queueCopyThrough(CUstream stream, int streamDevice, const Place& to, const 
                       uint64_t bytes, std::unique_ptr<BounceLease>& through, const char* what) {
   RelaxedCapture relaxed;  // leasing may allocate or query an event while `stream` captures
   ContextGuard context(streamDevice);
-  if (!withinOneGpu(to, from)) {
+  if (!bounced(to, from)) {
     queueOne(stream, to.address, from.address, bytes, what);
     return;
   }

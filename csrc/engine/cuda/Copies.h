@@ -18,6 +18,17 @@ namespace smfree::engine::cuda {
 
 constexpr int kHostMemory = -1;
 
+// How a copy within one GPU runs (SMFREE_LOCAL_COPIES): as the driver's copy, which CUDA 13.0
+// drivers run as a kernel on SMs; or in two copy-engine hops through a bounce on a peer GPU
+// (NVLink) or in pinned host memory (PCIe).
+enum class LocalCopies { kDriver, kPeerGpu, kHost };
+
+// Set once by the engine, before its first copy; kDriver until then.
+void setLocalCopies(LocalCopies how);
+LocalCopies localCopies();
+// For the log: what `how` runs on.
+const char* describe(LocalCopies how);
+
 // One end of a copy: an address valid in every context of the process (unified addressing),
 // and the GPU whose memory it is, or kHostMemory.
 struct Place {
@@ -25,8 +36,9 @@ struct Place {
   int device = kHostMemory;
 };
 
-// Whether a copy between the two needs a bounce: both in one GPU's memory.
-bool withinOneGpu(const Place& to, const Place& from);
+// Whether a copy between the two passes through a bounce: both in one GPU's memory, and
+// local copies bounce.
+bool bounced(const Place& to, const Place& from);
 
 // Queues the copy of `bytes` bytes from `from` to `to` on `stream`, a stream of
 // `streamDevice`; a copy within one GPU passes through a bounce that the process keeps for the

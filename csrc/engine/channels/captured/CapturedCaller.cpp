@@ -66,7 +66,10 @@ CudaFence CapturedChannel::prepare(Op& op, const PostOptions& options) {
 
 void CapturedChannel::queueSend(CapturedOp& send) {
   const Buffer& buffer = send.buffer;
-  const int bounceDevice = cuda::bounceDevice(buffer.device);
+  // Through a peer GPU, the slot lies there: its copy in is then a single hop.
+  const int bounceDevice = cuda::localCopies() == cuda::LocalCopies::kPeerGpu
+                               ? cuda::bounceDevice(buffer.device)
+                               : -1;
   const int slotDevice = bounceDevice >= 0 ? bounceDevice : buffer.device;
   send.slot = std::make_unique<cuda::DeviceMemory>(slotDevice, buffer.bytes);
   log(LogLevel::kInfo, send.what, ": a slot of ", buffer.bytes, " B on cuda:", slotDevice,

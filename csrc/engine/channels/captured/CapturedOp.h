@@ -58,8 +58,8 @@ struct CapturedOp {
   std::unique_ptr<cuda::Event> posted;       // the caller's stream at the post
   std::unique_ptr<cuda::Event> done;         // after the op's last node in the graph
 
-  // Send: its slot, and the words of its handshake (this process's). The slot lies on another
-  // GPU than the tensor (its bounce device), so that the copy into it runs on a copy engine.
+  // Send: its slot, and the words of its handshake (this process's). Where copies within one
+  // GPU go through a peer GPU, the slot lies there, so that the copy into it is one hop.
   std::unique_ptr<cuda::DeviceMemory> slot;
   std::unique_ptr<cuda::OwnedFlag> full;
   std::unique_ptr<cuda::OwnedFlag> empty;

@@ -7,6 +7,7 @@
 
 #include "engine/Log.h"
 #include "engine/cuda/Bounce.h"
+#include "engine/cuda/Copies.h"
 #include "engine/cuda/CudaDriver.h"
 #include "engine/cuda/StreamMemoryOps.h"
 
@@ -15,7 +16,9 @@ namespace smfree::engine {
 CudaFence CopyEngineChannel::prepare(Op& op, const PostOptions& options) {
   // Where copies within this GPU will bounce is settled (and that GPU's context made) at the
   // device's first op, not in the middle of a transfer.
-  cuda::bounceDevice(op.request.buffer.device);
+  if (cuda::localCopies() == cuda::LocalCopies::kPeerGpu) {
+    cuda::bounceDevice(op.request.buffer.device);
+  }
   cudaOps_.admit(options.timeout);
   auto state = std::make_unique<CopyEngineOp>();
   try {
