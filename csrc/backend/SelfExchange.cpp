@@ -182,8 +182,7 @@ void SelfExchange::copyOnGpu(const std::shared_ptr<Op>& send, const std::shared_
 }
 
 void SelfExchange::queueCopy(const Op& send, const Op& recv, CUstream stream, int device) {
-  // Raw bytes, like any other peer's transfer, by the engine's copies: this driver runs a copy
-  // within one GPU on SMs, so they pass through another GPU's memory on copy engines.
+  // Raw bytes, like any other peer's transfer, by the engine's copies (SMFREE_LOCAL_COPIES).
   const engine::cuda::Place to{reinterpret_cast<CUdeviceptr>(recv.data), device};
   const engine::cuda::Place from{reinterpret_cast<CUdeviceptr>(send.data), device};
   constexpr const char* kWhat = "cuMemcpyAsync (to the rank itself)";
@@ -191,10 +190,12 @@ void SelfExchange::queueCopy(const Op& send, const Op& recv, CUstream stream, in
     engine::cuda::queueCopy(stream, device, to, from, send.desc.bytes, kWhat);
     return;
   }
-  // The graph's replays pass through its bounce: the graph keeps it.
+  // The graph's replays pass through its bounce, if any: the graph keeps it.
   std::unique_ptr<engine::cuda::BounceLease> bounce;
   engine::cuda::queueCopyThrough(stream, device, to, from, send.desc.bytes, bounce, kWhat);
-  engine::cuda::keepWithGraph(engine::cuda::captureOf(stream)->graph, std::move(bounce));
+  if (bounce) {
+    engine::cuda::keepWithGraph(engine::cuda::captureOf(stream)->graph, std::move(bounce));
+  }
 }
 
 std::string SelfExchange::captureMismatch(const Op& send, const Op& recv) const {

@@ -23,8 +23,8 @@ namespace smfree {
 // Sends and recvs whose peer is this rank itself, as the V-shaped pipeline schedules post them
 // (a rank holds two stages, one feeding the other). Their bytes never leave the process, so the
 // engine never sees them: they are matched here, per tag in posting order like any other
-// peer's, and moved: a memmove for CPU tensors; for CUDA tensors the engine's copy on the
-// later-posted op's current stream (two copy-engine hops through another GPU's memory), after
+// peer's, and moved: a memmove for CPU tensors; for CUDA tensors the engine's copy
+// (cuda/Copies.h, as SMFREE_LOCAL_COPIES says) on the later-posted op's current stream, after
 // the earlier op's stream as it was when that op was posted. A recv from any source does not
 // take them.
 class SelfExchange {

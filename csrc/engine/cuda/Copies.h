@@ -9,12 +9,13 @@
 
 namespace smfree::engine::cuda {
 
-// The one place smfree queues copies of bytes (every channel, ops to the rank itself), with
-// copy engines only. A copy between two GPUs' memory, or between a GPU's and pinned host memory,
-// is one cuMemcpyAsync, which the driver gives a copy engine. A copy within one GPU, which the
-// CUDA 13.0 driver runs as a kernel on SMs, goes in two hops through a Bounce (chunk by chunk
-// past kMaxBounceBytes), both queued on the same stream: stream order keeps the passes through the
-// bounce apart, and no stream waits for another.
+// The one place smfree queues copies of bytes (every channel, ops to the rank itself). A copy
+// between two GPUs' memory, or between a GPU's and pinned host memory, is one cuMemcpyAsync,
+// which the driver gives a copy engine. A copy within one GPU, which the CUDA 13.0 driver runs
+// as a kernel on SMs, is that too by default; with SMFREE_LOCAL_COPIES peer_gpu or host it goes
+// in two copy-engine hops through a Bounce (chunk by chunk past kMaxBounceBytes), both queued on
+// the same stream: stream order keeps the passes through the bounce apart, and no stream waits
+// for another.
 
 constexpr int kHostMemory = -1;
 

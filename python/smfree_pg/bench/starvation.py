@@ -6,6 +6,10 @@ CUDA graphs (batched, and unbatched: both ranks send before they receive), recvs
 source; and two yardsticks, a bare copy to host memory (a copy engine: during) and a kernel
 queued the same way (after, or the GPU was not held). Every op's bytes are checked.
 
+Copies within one GPU (eager copies out of a slot, a captured send's copy into its slot, ops to
+the rank itself) run as SMFREE_LOCAL_COPIES says: by default as the driver's copies, which CUDA
+13.0 drivers run on SMs; run with peer_gpu or host to see every path end during the hold.
+
 `held_paths` is also what tests/cuda/test_zero_sm.py asserts on.
 """
 
