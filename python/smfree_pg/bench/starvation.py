@@ -186,7 +186,7 @@ def held_paths(group, rank: int, peer: int, device: torch.device, sync: Callable
         paths.to_itself([1 << 20, max(sizes)])
     # Unbatched, large messages complete only where a send need not wait for its recv (NCCL's
     # hang).
-    orders = (("batched", exchange), ("unbatched", unbatched)) if smfree else (("batched", exchange),)
+    orders = [("batched", exchange)] + ([("unbatched", unbatched)] if smfree else [])
     paths.captured(captured_sizes, orders)
     if smfree:
         paths.any_source(1 << 20)

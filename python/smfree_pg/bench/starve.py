@@ -153,7 +153,3 @@ class HoldResult:
     def during(self, name: str) -> bool:
         """Whether the marked work ended while every SM was held (with a margin of a tenth)."""
         return self.ends[name] < 0.9 * self.held_ms
-
-    def describe(self, name: str) -> str:
-        where = "during the hold" if self.during(name) else "after the hold"
-        return f"{name} ended {self.ends[name]:.1f} ms in ({where}; the hold ended at {self.held_ms:.1f} ms)"
