@@ -17,6 +17,8 @@ Sections (`--only`), one module each:
 8. alltoall: every rank exchanging with every other at once (one batch_isend_irecv each),
    4 MiB ... 256 MiB per peer: µs per exchange and aggregate GB/s; a GEMM loop's slowdown under
    that traffic; smfree's mappings and staging memory afterwards.
+9. starvation: every same-host path run while a kernel holds every SM of both GPUs; when each
+   op ended, during the hold (no SM) or after it.
 
 Ranks pair up (0<->1, 2<->3, ...; with an odd world size the last rank idles) and all pairs run
 at once; pipelines take the first ranks; alltoall takes every rank. Rank 0 prints its figures
