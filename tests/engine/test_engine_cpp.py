@@ -13,7 +13,8 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 SOURCES = ["Matcher.cpp", "Wire.cpp", "TensorDesc.cpp", "Op.cpp", "Log.cpp", "Config.cpp", "Spin.cpp",
            "cuda/FlagSegment.cpp", "cuda/CudaDriver.cpp", "cuda/Capture.cpp", "cuda/IpcExport.cpp",
            "cuda/IpcCache.cpp", "cuda/DeviceMemory.cpp", "cuda/Event.cpp", "cuda/Stream.cpp",
-           "cuda/StreamMemoryOps.cpp", "channels/copy_engine/StagingRing.cpp",
+           "cuda/StreamMemoryOps.cpp", "cuda/Copies.cpp", "cuda/Bounce.cpp",
+           "cuda/PinnedMemory.cpp", "channels/copy_engine/StagingRing.cpp",
            "channels/copy_engine/RingMemory.cpp",
            "channels/copy_engine/EagerLanes.cpp", "channels/captured/GraphWait.cpp",
            "channels/captured/CapturedSlot.cpp"]
