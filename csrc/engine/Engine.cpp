@@ -82,8 +82,8 @@ Engine::Engine(Private)
       local_, *worker_, *control_, *channels_, failures_, thread_,
       [this](Peer& peer, const std::string& why) { onPeerFailure(peer, why); });
   rendezvous_ = std::make_unique<Rendezvous>(*channels_, *peers_, failures_, thread_);
-  loop_ = std::make_unique<ProgressLoop>(spin_, *worker_, *channels_, *peers_, *rendezvous_,
-                                         *cudaOps_, thread_);
+  loop_ = std::make_unique<ProgressLoop>(spin_, *worker_, *control_, *channels_, *peers_,
+                                         *rendezvous_, *cudaOps_, thread_);
   log(LogLevel::kInfo, "engine started on host ", local_.hostname);
 }
 

@@ -45,7 +45,7 @@ std::unique_ptr<Peer> PeerTable::makePeer(const PeerAddress& address,
     }
   }
   const std::string key = address.processKey;
-  const auto onError = [this, key](const std::string& why) { fail(key, why); };
+  const auto onError = [this, key](const std::string& why) { report(key, why); };
   try {
     // Same host: shared memory and CMA need UCX's peer-failure handling off; the watch
     // notices a dead peer instead.
@@ -89,6 +89,18 @@ void PeerTable::fail(const std::string& processKey, const std::string& why) {
   onFailure_(*peer, why);
 }
 
+void PeerTable::report(const std::string& processKey, const std::string& why) {
+  reported_.emplace_back(processKey, why);
+}
+
+bool PeerTable::applyReported() {
+  if (reported_.empty()) return false;
+  std::vector<std::pair<std::string, std::string>> reported;
+  reported.swap(reported_);
+  for (const auto& [key, why] : reported) fail(key, why);
+  return true;
+}
+
 void PeerTable::check() {
   thread_.check("PeerTable::check");
   for (auto& [key, peer] : peers_) {
@@ -118,7 +130,7 @@ void PeerTable::send(Peer& peer, const ControlMessage& message) {
   }
   const std::string key = peer.address.processKey;
   control_.send(*peer.endpoint, encode(message), [this, key](ucs_status_t status) {
-    fail(key, concat("a control message failed: ", ucxStatusText(status)));
+    report(key, concat("a control message failed: ", ucxStatusText(status)));
   });
 }
 

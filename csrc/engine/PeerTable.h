@@ -43,6 +43,13 @@ class PeerTable {
   long liveSameHostPeers() const;
   // Marks the peer failed (the first time) and reports it.
   void fail(const std::string& processKey, const std::string& why);
+  // A failure UCX reported from inside its progress or a call (an endpoint's error callback, a
+  // control message it could not send): fail() runs later, from applyReported(), outside
+  // UCX's frames, where failing the peer's ops (their requests cancelled, their Works
+  // completed) cannot break UCX's state.
+  void report(const std::string& processKey, const std::string& why);
+  // Fails the peers reported since the last call; whether there were any.
+  bool applyReported();
   // Fails same-host peers whose process exited; drops what reached failed ones, outside any
   // UCX callback.
   void check();
@@ -69,6 +76,8 @@ class PeerTable {
   const ProgressThread& thread_;
   OnFailure onFailure_;
   std::unordered_map<std::string, std::unique_ptr<Peer>> peers_;  // by process key
+  // By report(), from callbacks of the engine's worker: one thread at a time progresses it.
+  std::vector<std::pair<std::string, std::string>> reported_;  // process key, why
 };
 
 }  // namespace smfree::engine
