@@ -117,6 +117,7 @@ bool ProgressLoop::turn(Clocks& clocks, cuda::CurrentContext& channelContext) {
     cuda::relaxOnceCudaIsLoaded();
     peers_.check();
     cudaOps_.recycle();
+    rendezvous_.probeSilentPeers(now);
     rendezvous_.expireOps(now);
   }
   if (now - clocks.sweep >= kExportSweepInterval) {

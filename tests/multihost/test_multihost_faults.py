@@ -191,6 +191,60 @@ def test_link_cut_at_one_hosts_interface_one_way_or_idle_is_reported_on_both_sid
         assert_cut_reported(value["full_error"], hosts.hostnames[1 - rank], rank)
 
 
+# ---------------------------------------------------------------- a cut link UCX does not notice
+
+SILENT_GROUP_TIMEOUT_S = 10
+
+
+def _exchange_until_cut(rank, world):
+    return exchanges(1 - rank, 100_000, 1 << 18)
+
+
+def test_link_cut_unnoticed_by_ucx_fails_at_the_group_timeout_naming_the_silent_peer():
+    """Without a link timeout (SMFREE_LINK_TIMEOUT_MS=0 here; Debian's UCX 1.13 has none at
+    all), a link cut mid-transfer shows only at the group timeout. Both ranks then say that
+    nothing came from their peer, naming it and for how long, rather than that an op was not
+    matched (one rank) or did not finish (the other)."""
+    with Hosts(2) as hosts:
+        job = hosts.launch(_exchange_until_cut, 1, group_timeout_s=SILENT_GROUP_TIMEOUT_S,
+                           env={"SMFREE_LINK_TIMEOUT_MS": "0", "SMFREE_EXIT_TIMEOUT_MS": "1000"})
+        job.wait_all_progress(20)
+        injected = hosts.link_down(1, "host")
+        values = job.values(JOB_TIMEOUT_S)
+        record("host 1's interface down for good, no link timeout", values, injected)
+        assert hosts.leftover_processes() == []
+    for rank, value in enumerate(values):
+        error = value["full_error"]
+        assert error is not None, f"rank {rank}: the cut went unnoticed"
+        assert f"nothing came from its peer process (pid " in error, error
+        assert f"on host {hosts.hostnames[1 - rank]}) for " in error, error
+        assert "not matched" not in error and "did not finish" not in error, error
+
+
+def _recv_never_sent(rank, world):
+    exchanges(1 - rank, 2, 16)
+    if rank == 1:  # its peer never sends: a bug of the program's, on a sound link
+        time.sleep(SILENT_GROUP_TIMEOUT_S + 2)
+        return None
+    try:
+        dist.recv(torch.empty(16, dtype=torch.int32), 1)
+    except Exception as error:  # noqa: BLE001 - the test reads it
+        return str(error)
+    return None
+
+
+def test_op_unmatched_between_hosts_is_blamed_on_the_program_while_its_peer_answers():
+    """The other side of the test above: a peer that is there but never posts answers the
+    engine's probes, so the op that waited on it says it was not matched."""
+    with Hosts(2) as hosts:
+        job = hosts.launch(_recv_never_sent, 1, group_timeout_s=SILENT_GROUP_TIMEOUT_S)
+        error = job.values(JOB_TIMEOUT_S)[0]
+        assert hosts.leftover_processes() == []
+    assert error is not None and "was not matched by a send within the group timeout" in error, \
+        error
+    assert "nothing came from" not in error, error
+
+
 # ---------------------------------------------------------------- a host's ranks killed
 
 
