@@ -27,6 +27,7 @@ struct Config {
   // torchrun's LOCAL_WORLD_SIZE, if set to a count: how many ranks share this host.
   std::optional<long> localRanks;
   // UCX keepalive interval, so a dead peer fails pending ops quickly; UCX_KEEPALIVE_INTERVAL wins.
+  // Also how often a silent peer on another host is probed while ops wait on it.
   std::chrono::milliseconds peerCheck;
   // How long bytes toward a peer on another host may stay unacknowledged before its connection
   // fails (TCP_USER_TIMEOUT): a cut link or a host gone fails its ops, naming it, after this

@@ -82,10 +82,11 @@ Engine::Engine(Private)
       *worker_, [this](const void* data, size_t length) { onControlMessage(data, length); });
   peers_ = std::make_unique<PeerTable>(
       local_, *worker_, *control_, *channels_, failures_, thread_,
+      PeerTable::Silence{config_.peerCheck, ucxCutLinkUnnoticed(config_.linkTimeout)},
       [this](Peer& peer, const std::string& why) { onPeerFailure(peer, why); });
   rendezvous_ = std::make_unique<Rendezvous>(*channels_, *peers_, failures_, thread_);
-  loop_ = std::make_unique<ProgressLoop>(spin_, *worker_, *channels_, *peers_, *rendezvous_,
-                                         *cudaOps_, thread_);
+  loop_ = std::make_unique<ProgressLoop>(spin_, *worker_, *control_, *channels_, *peers_,
+                                         *rendezvous_, *cudaOps_, thread_);
   log(LogLevel::kInfo, "engine started on host ", local_.hostname);
 }
 
@@ -203,8 +204,11 @@ PeerRoute Engine::attachPeer(uint64_t groupId, int rank, const PeerAddress& addr
 }
 
 void Engine::onControlMessage(const void* data, size_t length) {
+  const ControlMessage decoded = decode(data, length);
+  Peer* sender = senderOf(decoded);
+  if (sender) peers_->heard(*sender);
   std::visit(
-      [this](const auto& message) {
+      [this, sender](const auto& message) {
         using T = std::decay_t<decltype(message)>;
         if constexpr (std::is_same_v<T, ReadyToSend>) rendezvous_->onReadyToSend(message);
         if constexpr (std::is_same_v<T, ClearToSend>) rendezvous_->onClearToSend(message);
@@ -215,13 +219,34 @@ void Engine::onControlMessage(const void* data, size_t length) {
         }
         if constexpr (std::is_same_v<T, ChannelNotice>) {
           // A failed peer's notices are void: its channel state is gone.
-          Peer* peer = peers_->find(message.sender);
-          if (peer && !peer->failed) {
-            channels_->of(ChannelKind::kCopyEngine).onNotice(*peer, message.data);
+          if (sender && !sender->failed) {
+            channels_->of(ChannelKind::kCopyEngine).onNotice(*sender, message.data);
+          }
+        }
+        if constexpr (std::is_same_v<T, Probe>) {
+          if (sender && !message.answer) {
+            peers_->send(*sender, Probe{local_.processKey, true});
           }
         }
       },
-      decode(data, length));
+      decoded);
+}
+
+Peer* Engine::senderOf(const ControlMessage& message) {
+  return std::visit(
+      [this](const auto& m) -> Peer* {
+        using T = std::decay_t<decltype(m)>;
+        if constexpr (std::is_same_v<T, MemoryReleased>) {
+          return peers_->find(m.owner);
+        } else if constexpr (std::is_same_v<T, ChannelNotice> || std::is_same_v<T, Probe>) {
+          return peers_->find(m.sender);
+        } else if constexpr (std::is_same_v<T, ClearToSend> || std::is_same_v<T, Refusal>) {
+          return rendezvous_->peerOf(m.group, m.receiver);
+        } else {
+          return rendezvous_->peerOf(m.group, m.source);
+        }
+      },
+      message);
 }
 
 void Engine::onPeerFailure(Peer& peer, const std::string& why) {

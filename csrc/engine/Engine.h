@@ -82,6 +82,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // Progress thread.
   PeerRoute attachPeer(uint64_t groupId, int rank, const PeerAddress& address);
   void onControlMessage(const void* data, size_t length);
+  // The peer a control message came from, if it is known here.
+  Peer* senderOf(const ControlMessage& message);
   void onPeerFailure(Peer& peer, const std::string& why);
 
   const Config config_;

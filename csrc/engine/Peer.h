@@ -39,6 +39,11 @@ struct Peer {
   std::unique_ptr<UcxEndpoint> endpoint;
   bool failed = false;
   std::string failure;
+  // When a control message last came from it, and when it was last probed (PeerTable). One
+  // that has come shows that it reaches this process, so it answers probes.
+  std::chrono::steady_clock::time_point lastHeard;
+  std::chrono::steady_clock::time_point lastProbed;
+  bool heardFrom = false;
 
   std::string describe() const;  // "pid 123 on host node7"
 };

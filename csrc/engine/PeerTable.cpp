@@ -11,13 +11,14 @@ namespace smfree::engine {
 
 PeerTable::PeerTable(const PeerAddress& local, UcxWorker& worker, UcxControl& control,
                      Channels& channels, Failures& failures, const ProgressThread& thread,
-                     OnFailure onFailure)
+                     Silence silence, OnFailure onFailure)
     : local_(local),
       worker_(worker),
       control_(control),
       channels_(channels),
       failures_(failures),
       thread_(thread),
+      silence_(std::move(silence)),
       onFailure_(std::move(onFailure)) {}
 
 PeerTable::Attached PeerTable::attach(const PeerAddress& address) {
@@ -37,6 +38,7 @@ std::unique_ptr<Peer> PeerTable::makePeer(const PeerAddress& address,
   auto peer = std::make_unique<Peer>();
   peer->address = address;
   peer->sameHost = address.hostKey == local_.hostKey;
+  peer->lastHeard = Clock::now();  // its address came through the store just now
   if (peer->sameHost) {
     peer->watch = std::make_unique<ProcessWatch>(address.pid);
     if (!peer->watch->alive()) {
@@ -45,7 +47,7 @@ std::unique_ptr<Peer> PeerTable::makePeer(const PeerAddress& address,
     }
   }
   const std::string key = address.processKey;
-  const auto onError = [this, key](const std::string& why) { fail(key, why); };
+  const auto onError = [this, key](const std::string& why) { report(key, why); };
   try {
     // Same host: shared memory and CMA need UCX's peer-failure handling off; the watch
     // notices a dead peer instead.
@@ -89,6 +91,43 @@ void PeerTable::fail(const std::string& processKey, const std::string& why) {
   onFailure_(*peer, why);
 }
 
+void PeerTable::report(const std::string& processKey, const std::string& why) {
+  reported_.emplace_back(processKey, why);
+}
+
+bool PeerTable::applyReported() {
+  if (reported_.empty()) return false;
+  std::vector<std::pair<std::string, std::string>> reported;
+  reported.swap(reported_);
+  for (const auto& [key, why] : reported) fail(key, why);
+  return true;
+}
+
+void PeerTable::probeIfSilent(Peer& peer, Clock::time_point now) {
+  const auto interval = silence_.probeInterval;
+  if (peer.sameHost || peer.failed || now - peer.lastHeard < interval ||
+      now - peer.lastProbed < interval) {
+    return;
+  }
+  peer.lastProbed = now;
+  send(peer, Probe{local_.processKey, false});
+}
+
+std::optional<std::string> PeerTable::silence(const Peer& peer, Clock::time_point now) const {
+  // A peer that is there answers a probe within a probe interval of its silence.
+  if (peer.sameHost || !peer.heardFrom || now - peer.lastHeard < 2 * silence_.probeInterval) {
+    return std::nullopt;
+  }
+  const auto tenths =
+      std::chrono::duration_cast<std::chrono::milliseconds>(now - peer.lastHeard).count() / 100;
+  std::string said = concat("nothing came from its peer process (", peer.describe(), ") for ",
+                            tenths / 10, ".", tenths % 10, " s, no message and no answer to "
+                            "probes every SMFREE_PEER_CHECK_MS: the link to that host is down, "
+                            "or the process is stuck");
+  if (!silence_.cutLinkUnnoticed.empty()) said += concat(" (", silence_.cutLinkUnnoticed, ")");
+  return said;
+}
+
 void PeerTable::check() {
   thread_.check("PeerTable::check");
   for (auto& [key, peer] : peers_) {
@@ -118,7 +157,7 @@ void PeerTable::send(Peer& peer, const ControlMessage& message) {
   }
   const std::string key = peer.address.processKey;
   control_.send(*peer.endpoint, encode(message), [this, key](ucs_status_t status) {
-    fail(key, concat("a control message failed: ", ucxStatusText(status)));
+    report(key, concat("a control message failed: ", ucxStatusText(status)));
   });
 }
 

@@ -23,14 +23,23 @@ class UcxWorker;
 
 // The remote processes this engine talks to, shared by every group, with their control
 // endpoints and their liveness: a same-host peer's process is watched, a remote one's failure
-// reported by UCX. Progress thread only.
+// reported by UCX, and a remote one that ops wait on probed when it goes silent. Progress
+// thread only.
 class PeerTable {
  public:
   // Called once per failed peer, with why it failed, after it is marked failed.
   using OnFailure = std::function<void(Peer&, const std::string& why)>;
+  // How peers on other hosts are watched for silence.
+  struct Silence {
+    std::chrono::milliseconds probeInterval;  // SMFREE_PEER_CHECK_MS
+    // Why a cut link shows only at the group timeout here, or empty where UCX ends its
+    // connection sooner (ucxCutLinkUnnoticed).
+    std::string cutLinkUnnoticed;
+  };
 
   PeerTable(const PeerAddress& local, UcxWorker& worker, UcxControl& control, Channels& channels,
-            Failures& failures, const ProgressThread& thread, OnFailure onFailure);
+            Failures& failures, const ProgressThread& thread, Silence silence,
+            OnFailure onFailure);
 
   struct Attached {
     Peer* peer;
@@ -43,6 +52,26 @@ class PeerTable {
   long liveSameHostPeers() const;
   // Marks the peer failed (the first time) and reports it.
   void fail(const std::string& processKey, const std::string& why);
+  // A failure UCX reported from inside its progress or a call (an endpoint's error callback, a
+  // control message it could not send): fail() runs later, from applyReported(), outside
+  // UCX's frames, where failing the peer's ops (their requests cancelled, their Works
+  // completed) cannot break UCX's state.
+  void report(const std::string& processKey, const std::string& why);
+  // Fails the peers reported since the last call; whether there were any.
+  bool applyReported();
+  // A control message came from the peer.
+  void heard(Peer& peer) {
+    peer.lastHeard = Clock::now();
+    peer.heardFrom = true;
+  }
+  // Probes the peer if it is on another host and nothing has come from it for a probe
+  // interval (nor was it probed within one); for peers that ops wait on.
+  void probeIfSilent(Peer& peer, Clock::time_point now);
+  // What an op that timed out waiting on the peer should say, where the peer is on another
+  // host, has reached this process before (a peer that never did, never having connected to
+  // it, cannot answer probes), and nothing has come from it (no message, no answer to probes)
+  // for two probe intervals or more: how long, and why UCX did not end the connection sooner.
+  std::optional<std::string> silence(const Peer& peer, Clock::time_point now) const;
   // Fails same-host peers whose process exited; drops what reached failed ones, outside any
   // UCX callback.
   void check();
@@ -67,8 +96,11 @@ class PeerTable {
   Channels& channels_;
   Failures& failures_;
   const ProgressThread& thread_;
+  const Silence silence_;
   OnFailure onFailure_;
   std::unordered_map<std::string, std::unique_ptr<Peer>> peers_;  // by process key
+  // By report(), from callbacks of the engine's worker: one thread at a time progresses it.
+  std::vector<std::pair<std::string, std::string>> reported_;  // process key, why
 };
 
 }  // namespace smfree::engine

@@ -7,6 +7,7 @@
 #include "engine/Rendezvous.h"
 #include "engine/cuda/Capture.h"
 #include "engine/cuda/CudaDriver.h"
+#include "engine/transports/ucx/UcxControl.h"
 #include "engine/transports/ucx/UcxWorker.h"
 
 namespace smfree::engine {
@@ -24,11 +25,12 @@ constexpr timespec kMemoryWatchNap{0, 20'000};
 
 }  // namespace
 
-ProgressLoop::ProgressLoop(const Spin& spin, UcxWorker& worker, Channels& channels,
-                           PeerTable& peers, Rendezvous& rendezvous, CudaOps& cudaOps,
-                           ProgressThread& thread)
+ProgressLoop::ProgressLoop(const Spin& spin, UcxWorker& worker, UcxControl& control,
+                           Channels& channels, PeerTable& peers, Rendezvous& rendezvous,
+                           CudaOps& cudaOps, ProgressThread& thread)
     : spin_(spin),
       worker_(worker),
+      control_(control),
       channels_(channels),
       peers_(peers),
       rendezvous_(rendezvous),
@@ -102,6 +104,10 @@ bool ProgressLoop::turn(Clocks& clocks, cuda::CurrentContext& channelContext) {
   while (worker_.progress() != 0) {
     active = true;
   }
+  // What UCX's callbacks held inside that progress, handled outside it: the control messages
+  // that arrived, then the peer failures it reported (a peer's messages came before its end).
+  active = control_.deliver() || active;
+  active = peers_.applyReported() || active;
   const auto now = Clock::now();
   if (active) {
     clocks.activity = now;
@@ -111,6 +117,7 @@ bool ProgressLoop::turn(Clocks& clocks, cuda::CurrentContext& channelContext) {
     cuda::relaxOnceCudaIsLoaded();
     peers_.check();
     cudaOps_.recycle();
+    rendezvous_.probeSilentPeers(now);
     rendezvous_.expireOps(now);
   }
   if (now - clocks.sweep >= kExportSweepInterval) {

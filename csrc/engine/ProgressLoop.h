@@ -21,6 +21,7 @@ namespace smfree::engine {
 
 class PeerTable;
 class Rendezvous;
+class UcxControl;
 class UcxWorker;
 
 // The progress thread: runs the commands other threads submit, drives the channels and the
@@ -28,8 +29,9 @@ class UcxWorker;
 // fd (and same-host peers' pidfds) when idle.
 class ProgressLoop {
  public:
-  ProgressLoop(const Spin& spin, UcxWorker& worker, Channels& channels, PeerTable& peers,
-               Rendezvous& rendezvous, CudaOps& cudaOps, ProgressThread& thread);
+  ProgressLoop(const Spin& spin, UcxWorker& worker, UcxControl& control, Channels& channels,
+               PeerTable& peers, Rendezvous& rendezvous, CudaOps& cudaOps,
+               ProgressThread& thread);
   ~ProgressLoop() { stop(); }
   ProgressLoop(const ProgressLoop&) = delete;
   ProgressLoop& operator=(const ProgressLoop&) = delete;
@@ -63,6 +65,7 @@ class ProgressLoop {
 
   const Spin& spin_;
   UcxWorker& worker_;
+  UcxControl& control_;
   Channels& channels_;
   PeerTable& peers_;
   Rendezvous& rendezvous_;

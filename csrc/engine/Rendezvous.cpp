@@ -464,15 +464,40 @@ void Rendezvous::expireOps(Clock::time_point now) {
   }
 }
 
+void Rendezvous::probeSilentPeers(Clock::time_point now) {
+  thread_.check("Rendezvous::probeSilentPeers");
+  for (const auto& [id, op] : live_) {
+    if (op->finished()) continue;
+    if (Peer* peer = partnerOf(*op)) peers_.probeIfSilent(*peer, now);
+  }
+}
+
+Peer* Rendezvous::peerOf(uint64_t groupId, int rank) {
+  GroupState* group = findGroup(groupId);
+  if (!group || rank < 0 || rank >= static_cast<int>(group->peers.size())) return nullptr;
+  return group->peers[rank];
+}
+
+std::string Rendezvous::timeoutMessage(const Op& op, Clock::time_point now) {
+  const int64_t age = millisSince(op.posted, now);
+  const int64_t limit = millisSince(op.posted, op.deadline);
+  const bool moving = op.state == OpState::kMoving;
+  const Peer* peer = partnerOf(op);
+  if (const auto silent = peer ? peers_.silence(*peer, now) : std::nullopt) {
+    // Say what was seen, rather than blame the program for what did not happen.
+    const char* state = moving ? "its bytes moving"
+                               : (op.isSend() ? "waiting for its recv" : "waiting for its send");
+    return concat(op.describe(), " failed at the group timeout of ", limit, " ms (posted ", age,
+                  " ms ago, ", state, "): ", *silent);
+  }
+  const char* unmatched = op.isSend() ? " was not matched by a recv" : " was not matched by a send";
+  return concat(op.describe(), moving ? " did not finish" : unmatched,
+                " within the group timeout of ", limit, " ms (posted ", age, " ms ago)");
+}
+
 void Rendezvous::expire(const std::shared_ptr<Op>& op, Clock::time_point now) {
-  const int64_t age = millisSince(op->posted, now);
-  const int64_t limit = millisSince(op->posted, op->deadline);
   const bool moving = op->state == OpState::kMoving;
-  const std::string why = concat(
-      op->describe(),
-      moving ? " did not finish"
-             : (op->isSend() ? " was not matched by a recv" : " was not matched by a send"),
-      " within the group timeout of ", limit, " ms (posted ", age, " ms ago)");
+  const std::string why = timeoutMessage(*op, now);
   failOp(op, StatusCode::kTimeout, why);
   if (moving) {
     channels_.of(*op).cancel(*op);
@@ -556,14 +581,7 @@ std::shared_ptr<Op> Rendezvous::findLive(uint64_t opId) {
   return it == live_.end() ? nullptr : it->second;
 }
 
-Peer* Rendezvous::partnerOf(const Op& op) {
-  GroupState* group = findGroup(op.groupId);
-  const int rank = op.partner();
-  if (!group || rank < 0 || rank >= static_cast<int>(group->peers.size())) {
-    return nullptr;
-  }
-  return group->peers[rank];
-}
+Peer* Rendezvous::partnerOf(const Op& op) { return peerOf(op.groupId, op.partner()); }
 
 bool Rendezvous::referencedByOpenGroup(const Peer& peer) const {
   for (const auto& [id, group] : groups_) {

@@ -50,6 +50,11 @@ class Rendezvous {
   void peerFailed(Peer& peer, const std::string& why);
   // Fails the ops past their deadline.
   void expireOps(Clock::time_point now);
+  // Probes the peers on other hosts that ops wait on, where they have gone silent
+  // (PeerTable::probeIfSilent): an op that times out on one then says whether it answered.
+  void probeSilentPeers(Clock::time_point now);
+  // The group's `rank`, if this process has reached it.
+  Peer* peerOf(uint64_t groupId, int rank);
   // The engine shuts down, its progress thread gone: fails what is left and forgets it all.
   void shutDown();
 
@@ -88,6 +93,8 @@ class Rendezvous {
   // An op refused at its start keeps its place in its line (see the definition).
   void keepPlace(const std::shared_ptr<Op>& op, GroupState* group, const std::string& why);
   void expire(const std::shared_ptr<Op>& op, Clock::time_point now);
+  // Why the op failed at its timeout: unmatched, or its bytes still moving, or its peer silent.
+  std::string timeoutMessage(const Op& op, Clock::time_point now);
   std::shared_ptr<Op> findLive(uint64_t opId);
   Peer* partnerOf(const Op& op);
   bool referencedByOpenGroup(const Peer& peer) const;

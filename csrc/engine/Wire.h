@@ -117,8 +117,23 @@ struct ChannelNotice {
   }
 };
 
+// Asks a peer on another host whether its engine is still there: ops wait on it and nothing
+// has come from it for a while. The peer answers with a probe marked `answer`. An op that
+// times out waiting on a peer that neither answers nor sends is reported as cut off from it
+// (PeerTable::silence), not as unmatched.
+struct Probe {
+  std::string sender;  // the sender's process key
+  bool answer = false;
+
+  static constexpr const char* kName = "probe";
+  template <class Self, class Visitor>  // Self: this message, const or not
+  static void fields(Self& m, Visitor&& visit) {
+    visit(m.sender, m.answer);
+  }
+};
+
 using ControlMessage = std::variant<ReadyToSend, ClearToSend, Refusal, Cancellation,
-                                    MemoryReleased, ChannelNotice>;
+                                    MemoryReleased, ChannelNotice, Probe>;
 
 std::vector<uint8_t> encode(const ControlMessage& message);
 // Throws Error on a truncated or unknown message.

@@ -53,6 +53,7 @@ std::vector<Sample> samples() {
        "05090000006f776e65722d6b65790200000003000000000000000000000000010000"},
       {ChannelNotice{"sender-key", std::string("\0\7", 2)},
        "060a00000073656e6465722d6b6579020000000007"},
+      {Probe{"peer", true}, "07040000007065657201"},
   };
 }
 
@@ -126,6 +127,10 @@ TEST(wireRoundTripsEveryMessage, "wire: every message round-trips, field by fiel
 
   const auto notice = std::get<ChannelNotice>(roundTrip(ChannelNotice{"sender-key", std::string("\0\7", 2)}));
   CHECK(notice.sender == "sender-key" && notice.data == std::string("\0\7", 2));
+
+  const auto probe = std::get<Probe>(roundTrip(Probe{"sender-key", false}));
+  CHECK(probe.sender == "sender-key" && !probe.answer);
+  CHECK(std::get<Probe>(roundTrip(Probe{"k", true})).answer);
 }
 
 TEST(wireRejectsTruncatedMessages, "wire: every truncation of every message is refused") {
@@ -154,11 +159,11 @@ TEST(wireRejectsAHugeCountWithoutAllocating, "wire: a count past the message's e
 }
 
 TEST(wireRejectsAnUnknownType, "wire: an unknown message type is refused") {
-  for (uint8_t type : {uint8_t{0}, uint8_t{7}, uint8_t{255}}) {
+  for (uint8_t type : {uint8_t{0}, uint8_t{8}, uint8_t{255}}) {
     std::vector<uint8_t> bytes = encode(ChannelNotice{"a", "b"});
     bytes[0] = type;
     CHECK(testing::throwsError([&] { decode(bytes.data(), bytes.size()); },
-                      "unknown control message type " + std::to_string(type) + " (known: 1 to 6)"));
+                      "unknown control message type " + std::to_string(type) + " (known: 1 to 7)"));
   }
 }
 

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <optional>
+#include <thread>
 
 #include "engine/Error.h"
 #include "engine/Log.h"
@@ -36,9 +37,17 @@ Status abandoned(const Op& op) {
   return Status::failure(StatusCode::kAborted, concat(op.describe(), " was cancelled"));
 }
 
-Status transportFailure(const Op& op, ucs_status_t status) {
+// A request that ended in error: its peer's connection failed, which UCX may say here before
+// the endpoint's error callback.
+Status transportFailure(const Op& op, const Peer& peer, ucs_status_t status) {
+  if (peer.failed) {
+    return Status::failure(StatusCode::kPeerFailure,
+                           concat(op.describe(), " failed: ", peer.failure));
+  }
   return Status::failure(StatusCode::kTransport,
-                         concat("UCX failed ", op.describe(), ": ", ucxStatusText(status)));
+                         concat(op.describe(), " failed: UCX could not move its bytes ",
+                                op.isSend() ? "to" : "from", " its peer process (",
+                                peer.describe(), "): ", ucxPeerErrorText(status)));
 }
 
 Status copyFailure(const Op& op, const Error& error) {
@@ -51,7 +60,7 @@ Status copyFailure(const Op& op, const Error& error) {
 // from its arming) until no UCX request or copy touches its buffer.
 struct UcxChannel::Movement {
   std::shared_ptr<Op> op;
-  Peer* destination = nullptr;  // null for a recv
+  Peer* peer = nullptr;         // a send's destination, a recv's source
   bool cleared = false;         // a send: its clear-to-send gave the tag and the pieces
   ucp_tag_t tag = 0;            // piece i travels under tag + i
   uint64_t pieceBytes = 0;      // 0: one piece
@@ -74,7 +83,7 @@ struct UcxChannel::Movement {
   std::optional<Status> failure;
   bool cancelled = false;  // its requests were cancelled after the failure
 
-  bool isSend() const { return destination != nullptr; }
+  bool isSend() const { return op->isSend(); }
   uint64_t offsetOf(uint32_t piece) const { return piece * pieceBytes; }
   uint64_t bytesOf(uint32_t piece) const {
     const uint64_t total = op->request.buffer.bytes;
@@ -116,6 +125,7 @@ UcxChannel::UcxChannel(const UcxContext& context, UcxWorker& sendWorker, CudaOps
       flags_(cudaOps.flags()),
       pieceBytes_(config.hostStagingPieceBytes),
       transport_(config.transport),
+      peerCheck_(config.peerCheck),
       onDone_(std::move(onDone)) {}
 
 UcxChannel::~UcxChannel() {
@@ -129,6 +139,34 @@ UcxChannel::~UcxChannel() {
 }
 
 std::vector<uint8_t> UcxChannel::receiveAddress() { return receiveLane_.worker().address(); }
+
+void UcxChannel::flush(Clock::time_point deadline) {
+  for (auto& [peer, endpoint] : endpoints_) endpoint->startFlush();
+  for (auto& [peer, endpoint] : endpoints_) endpoint->finishFlush(deadline);
+  settleRecvs(deadline);
+}
+
+void UcxChannel::settleRecvs(Clock::time_point deadline) {
+  applyCompletions();
+  for (const auto& [id, movement] : movements_) {
+    if (!movement->isSend()) receiveLane_.cancel(movement->requests);
+  }
+  // UCX's keepalive finds a dead peer within two rounds and ends the recvs it tracks; the
+  // fragments of an eager message it never ends, but its worker's destruction does not mind
+  // them.
+  const Clock::time_point settled = std::min(deadline, Clock::now() + 3 * peerCheck_);
+  while (recvsInUcx() && Clock::now() < settled) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    applyCompletions();
+  }
+}
+
+bool UcxChannel::recvsInUcx() const {
+  for (const auto& [id, movement] : movements_) {
+    if (!movement->isSend() && !movement->requests.empty()) return true;
+  }
+  return false;
+}
 
 void UcxChannel::connect(Peer& peer, const PeerError& onError) {
   // Same host: shared memory and CMA need UCX's peer-failure handling off; the peer's process
@@ -202,10 +240,10 @@ bool UcxChannel::onlyTcpToward(const UcxEndpoint& endpoint, const Peer& peer) co
   return tcpOnly;
 }
 
-UcxChannel::Movement& UcxChannel::track(const std::shared_ptr<Op>& op, Peer* destination) {
+UcxChannel::Movement& UcxChannel::track(const std::shared_ptr<Op>& op, Peer& peer) {
   auto movement = std::make_unique<Movement>();
   movement->op = op;
-  movement->destination = destination;
+  movement->peer = &peer;
   ++op->outstanding;  // the buffer is the channel's until the movement ends
   Movement& tracked = *movement;
   movements_[op->id] = std::move(movement);
@@ -216,7 +254,7 @@ void UcxChannel::prepareSend(const std::shared_ptr<Op>& send, Peer& destination)
   const UcxCudaOp* state = ucxCudaOp(*send);
   if (!state || !state->staging) return;
   // Staged by its caller (prepare()), whose copies out are queued already.
-  Movement& movement = track(send, &destination);
+  Movement& movement = track(send, destination);
   movement.staged = true;
   movement.started = true;
   movement.callerStaging = state->staging;
@@ -235,7 +273,7 @@ std::string UcxChannel::armRecv(const std::shared_ptr<Op>& recv, Peer& source,
                               : staged      ? stagingPieceBytes(bytes, pieceBytes_)
                                             : 0;
   const ucp_tag_t tag = recv->id << kPieceBits;
-  Movement& movement = track(recv, nullptr);
+  Movement& movement = track(recv, source);
   movement.tag = tag;
   movement.setPieces(pieceBytes);
   movement.staged = staged;
@@ -283,7 +321,7 @@ void UcxChannel::startSend(const std::shared_ptr<Op>& send, Peer& destination,
   }
   auto prepared = movements_.find(send->id);  // staged: its copies out queued at its post
   Movement& movement =
-      prepared != movements_.end() ? *prepared->second : track(send, &destination);
+      prepared != movements_.end() ? *prepared->second : track(send, destination);
   movement.cleared = true;
   movement.tag = tag;
   movement.setPieces(pieceBytes);
@@ -314,7 +352,7 @@ void UcxChannel::postPiece(Movement& movement, uint32_t piece) {
   void* data = base + movement.offsetOf(piece);
   const uint64_t bytes = movement.bytesOf(piece);
   const ucp_tag_t tag = movement.tag + piece;
-  UcxEndpoint* endpoint = movement.isSend() ? endpointOf(*movement.destination) : nullptr;
+  UcxEndpoint* endpoint = movement.isSend() ? endpointOf(*movement.peer) : nullptr;
   if (movement.isSend() && !endpoint) {
     movement.failure = Status::failure(
         StatusCode::kPeerFailure, concat(op.describe(), ": its peer's data endpoint is closed"));
@@ -383,7 +421,7 @@ bool UcxChannel::advance(Movement& movement) {
     if (movement.cancelled) return false;
     movement.cancelled = true;
     releaseWaitingCopiesIn(movement);
-    for (void* request : movement.requests) ucp_request_cancel(workerOf(movement), request);
+    cancelRequests(movement);
     return true;
   }
   // A send tracked before its clear-to-send is a staged one, copied out at its post.
@@ -514,12 +552,20 @@ void UcxChannel::cancel(Op& op) {
   auto it = movements_.find(op.id);
   if (it == movements_.end()) return;
   Movement& movement = *it->second;
+  // Its requests are cancelled by the next progress(), once the completions queued before it
+  // are applied: this may run inside UCX (a peer's failure it reports), where some of them
+  // have completed with their completions still queued.
   if (!movement.failure) movement.failure = abandoned(op);
-  advance(movement);  // cancels its requests now; it ends in progress()
 }
 
-ucp_worker_h UcxChannel::workerOf(const Movement& movement) {
-  return movement.isSend() ? sendWorker_.handle() : receiveLane_.worker().handle();
+void UcxChannel::cancelRequests(Movement& movement) {
+  if (!movement.isSend()) {
+    receiveLane_.cancel(movement.requests);  // the lane's thread completes them meanwhile
+    return;
+  }
+  // The engine's worker completes sends on this thread alone, so UCX's own check for a
+  // completed request holds here.
+  for (void* request : movement.requests) ucp_request_cancel(sendWorker_.handle(), request);
 }
 
 void UcxChannel::enqueue(const Completion& completion, bool wakeEngine) {
@@ -549,7 +595,7 @@ void UcxChannel::finish(const Completion& completion) {
   ucp_request_free(completion.request);
   std::optional<Status> failure;
   if (completion.status != UCS_OK) {
-    failure = transportFailure(*movement.op, completion.status);
+    failure = transportFailure(*movement.op, *movement.peer, completion.status);
   } else if (!movement.isSend() && completion.length != movement.bytesOf(piece)) {
     failure = Status::failure(StatusCode::kTransport,
                               concat(movement.op->describe(), " received ", completion.length,

@@ -71,10 +71,8 @@ class UcxChannel final : public Channel {
   void connect(Peer& peer, const PeerError& onError) override;
   PeerRoute route(Peer& peer) override;
   void disconnect(Peer& peer) override;
-  void flush(Clock::time_point deadline) override {
-    for (auto& [peer, endpoint] : endpoints_) endpoint->startFlush();
-    for (auto& [peer, endpoint] : endpoints_) endpoint->finishFlush(deadline);
-  }
+  // Flushes the endpoints, then ends the recvs still inside UCX (settleRecvs).
+  void flush(Clock::time_point deadline) override;
   bool callsCudaOnProgressThread(const Op& op) const override;
   void progressThreadCallsCuda(const Op& op) override;
   bool committed() const override { return commitments_ > 0; }
@@ -123,9 +121,13 @@ class UcxChannel final : public Channel {
   // Decided, and logged, once per peer.
   bool stagesThroughHost(const Op& op, const Peer& peer);
   bool onlyTcpToward(const UcxEndpoint& endpoint, const Peer& peer) const;
-  Movement& track(const std::shared_ptr<Op>& op, Peer* destination);
-  // Moves what the movement's state allows; true if anything changed.
+  Movement& track(const std::shared_ptr<Op>& op, Peer& peer);
+  // Moves what the movement's state allows; true if anything changed. Runs once the queued
+  // completions are applied: a failed movement's requests are cancelled here.
   bool advance(Movement& movement);
+  // The movement's requests whose completions are not applied: UCX ends them (cancelled)
+  // unless they completed meanwhile.
+  void cancelRequests(Movement& movement);
   bool startOnceStreamReached(Movement& movement);
   bool transmitCopiedPieces(Movement& movement);
   bool copyInLandedPieces(Movement& movement);
@@ -140,7 +142,13 @@ class UcxChannel final : public Channel {
   void enqueue(const Completion& completion, bool wakeEngine);
   bool applyCompletions();
   void finish(const Completion& completion);
-  ucp_worker_h workerOf(const Movement& movement);
+  // Shutdown, the progress thread gone: cancels the recvs still posted, and waits, up to
+  // `deadline` and a few keepalive rounds, for those UCX had matched to end. UCX destroys the
+  // receive lane's worker only if no endpoint of it still tracks a request, and asserts so
+  // (Debian's UCX aborts): a matched recv from a peer that died stays tracked until UCX's
+  // keepalive finds the peer gone and ends it.
+  void settleRecvs(Clock::time_point deadline);
+  bool recvsInUcx() const;
 
   // First: it outlives the endpoints, whose flushes peers' sends to it may wait on.
   std::unique_ptr<UcxReceiveLane> lane_;
@@ -151,6 +159,7 @@ class UcxChannel final : public Channel {
   cuda::FlagSegment& flags_;
   const uint64_t pieceBytes_;
   const Transport transport_;
+  const std::chrono::milliseconds peerCheck_;  // UCX's keepalive interval
   Done onDone_;
   HostStaging staging_;
   std::once_flag announcedCuda_;

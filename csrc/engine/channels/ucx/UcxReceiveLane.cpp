@@ -27,6 +27,16 @@ void UcxReceiveLane::stop() {
   thread_.join();
 }
 
+void UcxReceiveLane::cancel(const std::vector<void*>& requests) {
+  std::lock_guard<std::mutex> lock(progressing_);
+  for (void* request : requests) ucp_request_cancel(worker_.handle(), request);
+}
+
+bool UcxReceiveLane::progressOnce() {
+  std::lock_guard<std::mutex> lock(progressing_);
+  return worker_.progress() != 0;
+}
+
 void UcxReceiveLane::run() {
   prctl(PR_SET_NAME, "smfree-recv");
   prctl(PR_SET_TIMERSLACK, 1000UL);  // as the engine's thread: every landed piece passes here
@@ -44,7 +54,7 @@ void UcxReceiveLane::run() {
     }
     bool active = false;
     try {
-      while (worker_.progress() != 0) active = true;
+      while (progressOnce()) active = true;
     } catch (const std::exception& error) {
       // No exception may end the thread: the transfers it serves fail at their timeouts.
       logOnce(concat("receive lane ", error.what()), concat("UCX receive thread: ", error.what()),

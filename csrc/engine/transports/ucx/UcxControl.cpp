@@ -73,11 +73,26 @@ ucs_status_t UcxControl::onReceive(void* self, const void*, size_t, void* data, 
     return UCS_OK;
   }
   try {
-    static_cast<UcxControl*>(self)->onMessage_(data, length);
+    const auto* bytes = static_cast<const uint8_t*>(data);
+    static_cast<UcxControl*>(self)->arrived_.emplace_back(bytes, bytes + length);
   } catch (const std::exception& error) {
     log(LogLevel::kError, "dropped a control message: ", error.what());
   }
   return UCS_OK;
+}
+
+bool UcxControl::deliver() {
+  if (arrived_.empty()) return false;
+  std::vector<std::vector<uint8_t>> arrived;
+  arrived.swap(arrived_);
+  for (const std::vector<uint8_t>& message : arrived) {
+    try {
+      onMessage_(message.data(), message.size());
+    } catch (const std::exception& error) {
+      log(LogLevel::kError, "dropped a control message: ", error.what());
+    }
+  }
+  return true;
 }
 
 }  // namespace smfree::engine

@@ -11,7 +11,12 @@
 
 namespace smfree::engine {
 
-// Control transport: small messages between engines as UCX active messages.
+// Control transport: small messages between engines as UCX active messages. A message that
+// arrives is held, and handed to the handler by deliver(), outside UCX's progress: handling
+// one sends (a clear-to-send starts the data), a send that finds its connection broken closes
+// it there and then, and UCX 1.13's TCP transport asserts that no event it still holds from
+// the same progress call is for a closed connection (it aborted so, handling messages inside
+// its progress, when several peers died at once).
 class UcxControl {
  public:
   using Handler = std::function<void(const void* data, size_t length)>;
@@ -21,8 +26,12 @@ class UcxControl {
   UcxControl(const UcxControl&) = delete;
   UcxControl& operator=(const UcxControl&) = delete;
 
-  // Delivery failure is reported to onFailure on the progress thread.
+  // Delivery failure is reported to onFailure on the progress thread, inside UCX's progress or
+  // this call.
   void send(UcxEndpoint& endpoint, std::vector<uint8_t> message, FailureHandler onFailure);
+  // Hands the messages that arrived since the last call to the handler, in arrival order;
+  // whether there were any. Outside the worker's progress.
+  bool deliver();
 
  private:
   static ucs_status_t onReceive(void* self, const void* header, size_t headerLength, void* data,
@@ -30,6 +39,7 @@ class UcxControl {
 
   UcxWorker& worker_;
   Handler onMessage_;
+  std::vector<std::vector<uint8_t>> arrived_;  // by onReceive, on the worker's thread
 };
 
 }  // namespace smfree::engine

@@ -38,6 +38,18 @@ bool ucxHasTcpUserTimeout() {
   return has;
 }
 
+std::string ucxCutLinkUnnoticed(std::chrono::milliseconds linkTimeout) {
+  if (!ucxHasTcpUserTimeout()) {
+    return concat("UCX ", ucp_get_version_string(), " has no TCP user timeout, so it cannot "
+                  "notice a cut link sooner");
+  }
+  if (linkTimeout.count() == 0 && !std::getenv("UCX_TCP_USER_TIMEOUT")) {
+    return "SMFREE_LINK_TIMEOUT_MS is 0, so only the kernel's TCP retransmissions, after "
+           "minutes, end the connection of a cut link";
+  }
+  return {};
+}
+
 UcxReport ucxReport() {
   UcxReport report;
   report.version = ucp_get_version_string();

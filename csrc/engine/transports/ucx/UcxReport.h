@@ -1,5 +1,6 @@
 #pragma once
 
+#include <chrono>
 #include <string>
 #include <vector>
 
@@ -19,5 +20,10 @@ UcxReport ucxReport();
 // ones (Debian's 1.13) have no such setting and ignore it: a link cut mid-transfer then fails
 // its ops only at the group timeout. Told by the helper UCX sets it with.
 bool ucxHasTcpUserTimeout();
+
+// Why a link to another host cut during a transfer is noticed only at the group timeout here:
+// this UCX has no TCP user timeout, or SMFREE_LINK_TIMEOUT_MS is 0 (and UCX_TCP_USER_TIMEOUT
+// unset). Empty where UCX fails such a connection after the link timeout.
+std::string ucxCutLinkUnnoticed(std::chrono::milliseconds linkTimeout);
 
 }  // namespace smfree::engine
