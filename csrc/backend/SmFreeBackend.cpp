@@ -1,5 +1,7 @@
 #include "backend/SmFreeBackend.h"
 
+#include <algorithm>
+
 #include <c10/core/Stream.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
@@ -261,6 +263,11 @@ c10::intrusive_ptr<c10d::Work> SmFreeBackend::endCoalescing() {
     batch = std::move(*batch_);
     batch_.reset();
   }
+  // Its recvs first: a captured send posted after its recv copies straight into the recv's
+  // buffer (CapturedChannel.h), and a batch's ops have no order among themselves.
+  std::stable_partition(batch.ops.begin(), batch.ops.end(), [](const PreparedOp& op) {
+    return !op.self && op.request.kind == engine::OpKind::kRecv;
+  });
   for (size_t i = 0; i < batch.ops.size(); ++i) {
     try {
       post(batch.ops[i], batch.work);

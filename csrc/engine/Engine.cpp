@@ -67,7 +67,8 @@ Engine::Engine(Private)
       *cudaOps_, thread_, config_.ipcCacheSize, config_.stagingBytes, config_.eagerBytes,
       config_.ringMemoryBytes, onDone,
       [this](Peer& peer, std::string data) {
-        peers_->send(peer, ChannelNotice{local_.processKey, std::move(data)});
+        peers_->send(peer, ChannelNotice{local_.processKey, ChannelKind::kCopyEngine,
+                                          std::move(data)});
       },
       [this](const std::string& key, std::vector<uint64_t> ids) {
         Peer* peer = peers_->find(key);
@@ -75,7 +76,14 @@ Engine::Engine(Private)
           peers_->send(*peer, MemoryReleased{local_.processKey, std::move(ids)});
         }
       });
-  auto captured = std::make_unique<CapturedChannel>(*cudaOps_, thread_, failures_, onDone);
+  auto captured = std::make_unique<CapturedChannel>(
+      *cudaOps_, thread_, failures_, onDone, [this](const std::string& key, std::string data) {
+        Peer* peer = peers_->find(key);
+        if (peer && !peer->failed) {
+          peers_->send(*peer, ChannelNotice{local_.processKey, ChannelKind::kCaptured,
+                                            std::move(data)});
+        }
+      });
   channels_ = std::make_unique<Channels>(std::move(copyEngine), std::move(captured),
                                          std::move(ucx));
   control_ = std::make_unique<UcxControl>(
@@ -220,7 +228,7 @@ void Engine::onControlMessage(const void* data, size_t length) {
         if constexpr (std::is_same_v<T, ChannelNotice>) {
           // A failed peer's notices are void: its channel state is gone.
           if (sender && !sender->failed) {
-            channels_->of(ChannelKind::kCopyEngine).onNotice(*sender, message.data);
+            channels_->of(message.channel).onNotice(*sender, message.data);
           }
         }
         if constexpr (std::is_same_v<T, Probe>) {

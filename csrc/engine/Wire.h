@@ -104,16 +104,18 @@ struct MemoryReleased {
   }
 };
 
-// What a sender's data channel tells the receiver's about a transfer already cleared (the
-// copy engines: which staging slot a send was copied into). Opaque to the engine.
+// What one side's data channel tells its peer's about a transfer (the copy engines: which
+// staging slot a send was copied into; captured recvs: where their buffer is, before any send
+// of theirs is posted). Opaque to the engine, which hands it to `channel`.
 struct ChannelNotice {
-  std::string sender;  // the sender's process key
+  std::string sender;  // the process key of the side that sends the notice
+  ChannelKind channel = ChannelKind::kCopyEngine;
   std::string data;
 
   static constexpr const char* kName = "channel notice";
   template <class Self, class Visitor>  // Self: this message, const or not
   static void fields(Self& m, Visitor&& visit) {
-    visit(m.sender, m.data);
+    visit(m.sender, m.channel, m.data);
   }
 };
 

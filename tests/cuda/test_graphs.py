@@ -59,7 +59,20 @@ def _exchange(src, dst, peer, order):
             work.wait()
     else:  # both ranks send, each waiting for its send, before either receives
         dist.send(src, peer)
+        _sync("sent", 1 - peer)  # so no recv is posted while a send waits for it (a slot)
         dist.recv(dst, peer)
+
+
+_SYNCS = Counter()
+
+
+def _sync(key, rank):
+    """Both ranks here, through the store: nothing on the GPU."""
+    _SYNCS[key] += 1
+    key = f"{key}/{_SYNCS[key]}"
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"{key}/{rank}", "1")
+    store.wait([f"{key}/0", f"{key}/1"])
 
 
 def _capture(fn, mode):
@@ -97,7 +110,8 @@ def _captured_exchanges(rank, world, order, mode, replays):
             ordinary.append((got.min().item(), got.max().item()))
     torch.cuda.synchronize()
     stats = dist.group.WORLD._get_backend(dev)._stats()
-    return seen, ordinary, dict(nodes), stats["captured_slots"], stats["captured_slot_bytes"]
+    return (seen, ordinary, dict(nodes), stats["captured_slots"], stats["captured_slot_bytes"],
+            stats["captured_direct_sends"])
 
 
 @pytest.mark.parametrize("order,connections,mode", [
@@ -108,7 +122,10 @@ def test_captured_exchanges_replay_the_right_bytes(order, connections, mode):
     replays = 4
     results = COPY_ENGINE.run(_captured_exchanges, 2, order, mode, replays, timeout=240,
                               env={"CUDA_DEVICE_MAX_CONNECTIONS": connections})
-    for rank, (seen, ordinary, nodes, slots, slot_bytes) in enumerate(results):
+    # A batch posts its recvs first, so each send copies straight into its recv's buffer; a
+    # send waited for before its peer's recv is posted goes through a slot of its own.
+    direct = order == "batch"
+    for rank, (seen, ordinary, nodes, slots, slot_bytes, direct_sends) in enumerate(results):
         peer = 1 - rank
         for size in SIZES:
             assert seen[size] == [(1000.0 * peer + r,) * 2 for r in range(replays)], size
@@ -117,9 +134,12 @@ def test_captured_exchanges_replay_the_right_bytes(order, connections, mode):
         if nodes:  # this torch kept the graphs: smfree put no kernel node in them
             assert set(nodes) <= {"memcpy", "batch_mem_op", "empty", "event_record",
                                   "wait_event"}, nodes
-            assert nodes["memcpy"] == _memcpy_nodes(rank, peer), nodes
+            assert nodes["memcpy"] == _memcpy_nodes(rank, peer, direct=direct), nodes
             assert nodes["batch_mem_op"] >= 2 * len(SIZES), nodes
-        assert (slots, slot_bytes) == (len(SIZES), sum(SIZES))
+        if direct:
+            assert (slots, slot_bytes, direct_sends) == (0, 0, len(SIZES))
+        else:
+            assert (slots, slot_bytes, direct_sends) == (len(SIZES), sum(SIZES), 0)
 
 
 def _chunks(size):
@@ -130,13 +150,16 @@ def _chunks(size):
     return -(-size // bounce)
 
 
-def _memcpy_nodes(rank, peer, sizes=SIZES, local_copies="driver"):
+def _memcpy_nodes(rank, peer, sizes=SIZES, local_copies="peer_gpu", direct=False):
     """Memcpy nodes of one rank's graphs of one exchange per size, by SMFREE_LOCAL_COPIES.
-    driver: one copy into the send's slot on its own GPU, one out of the peer's. peer_gpu: a
-    send's slot lies on the GPU after its own (every GPU of the test machine reaches every
-    other), one copy into it; a recv reads its sender's slot in one copy, or in two per chunk
-    through a bounce where that slot lies on its own GPU. host: two copies per chunk into the
-    slot, through host memory; one out of the peer's."""
+    direct: one copy of the send's straight into the peer's buffer, none for the recv.
+    Through slots: driver: one copy into the send's slot on its own GPU, one out of the peer's.
+    peer_gpu: a send's slot lies on the GPU after its own (every GPU of the test machine reaches
+    every other), one copy into it; a recv reads its sender's slot in one copy, or in two per
+    chunk through a bounce where that slot lies on its own GPU. host: two copies per chunk into
+    the slot, through host memory; one out of the peer's."""
+    if direct:
+        return len(sizes)
     if local_copies == "driver":
         return 2 * len(sizes)
     if local_copies == "host":
@@ -146,20 +169,20 @@ def _memcpy_nodes(rank, peer, sizes=SIZES, local_copies="driver"):
     return sum(1 + (2 * _chunks(size) if peer_slot_here else 1) for size in sizes)
 
 
-def _graph_of_one_exchange(rank, numel):
+def _graph_of_one_exchange(rank, numel, order="batch"):
     dev = torch.device("cuda", rank)
     peer = 1 - rank
     src = torch.full((numel,), float(rank), device=dev)
     dst = torch.zeros(numel, device=dev)
     _exchange(src, dst, peer, "batch")
-    graph, _ = _capture(lambda: _exchange(src, dst, peer, "batch"), "global")
+    graph, _ = _capture(lambda: _exchange(src, dst, peer, order), "global")
     graph.replay()  # both ranks: the first replay goes through
     torch.cuda.synchronize()
     return graph, dst
 
 
-def _replays_under_the_profiler(rank, world, numel, replays):
-    graph, dst = _graph_of_one_exchange(rank, numel)
+def _replays_under_the_profiler(rank, world, numel, replays, order):
+    graph, dst = _graph_of_one_exchange(rank, numel, order)
     peer = 1 - rank
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
@@ -174,17 +197,20 @@ def _replays_under_the_profiler(rank, world, numel, replays):
     return kernels, copies, dst.min().item() == dst.max().item() == float(peer)
 
 
-@pytest.mark.parametrize("local_copies", ["driver", "peer_gpu", "host"])
-def test_replays_run_copies_and_no_kernel(local_copies):
+@pytest.mark.parametrize("order,local_copies", [
+    ("batch", "peer_gpu"), ("sends_waited_first", "driver"),
+    ("sends_waited_first", "peer_gpu"), ("sends_waited_first", "host")])
+def test_replays_run_copies_and_no_kernel(order, local_copies):
     COPY_ENGINE.skip_unless_ranks(2)
     replays = 10
     numel = 1 << 18
-    results = COPY_ENGINE.run(_replays_under_the_profiler, 2, numel, replays,
+    results = COPY_ENGINE.run(_replays_under_the_profiler, 2, numel, replays, order,
                               env={"SMFREE_LOCAL_COPIES": local_copies})
     for rank, (kernels, copies, ok) in enumerate(results):
         assert ok
         assert kernels == {}, f"a replay ran kernels: {kernels}"
-        assert copies == replays * _memcpy_nodes(rank, 1 - rank, [4 * numel], local_copies)
+        assert copies == replays * _memcpy_nodes(rank, 1 - rank, [4 * numel], local_copies,
+                                                 direct=order == "batch")
 
 
 def _freed_after_its_send(rank, world, numel, replays):
@@ -298,7 +324,10 @@ def test_a_peer_that_stops_replaying_is_reported_at_the_group_timeout():
     assert all(ok for ok, *_ in results)
     _, stuck, error, again = results[1]
     assert timeout_s <= stuck < timeout_s + 3, stuck
-    assert error and "captured recv on rank 1 from rank 0" in error, error
+    # Its batch's send copies straight into rank 0's buffer: it waits first, for rank 0's
+    # graph to reach the recv.
+    assert error and "captured send on rank 1 to rank 0" in error, error
+    assert "to reach the recv of this replay's bytes" in error, error
     assert "failed at a replay of its CUDA graph" in error, error
     assert again < 1.5, again
 

@@ -1,14 +1,17 @@
 // Captured ops' bookkeeping without a GPU: the watchdog's view of a graph's wait (GraphWait),
-// the lines of their own that captured ops match in, and the slot a captured send announces.
+// the lines of their own that captured ops match in, what a captured send announces, and the
+// notices of captured recvs that let a send copy straight into its receiver's buffer.
 
 #include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <thread>
 
 #include "engine/GroupState.h"
 #include "engine/channels/captured/CapturedOp.h"
 #include "engine/channels/captured/GraphWait.h"
+#include "engine/channels/captured/PostedRecvs.h"
 
 #include "check.h"
 
@@ -85,21 +88,104 @@ TEST(capturedOpsMatchOnlyOneAnother, "captured ops match only captured ops, in l
   CHECK(&group.matcherFor(ChannelKind::kUcx) == &group.matcherFor(ChannelKind::kCopyEngine));
 }
 
-TEST(capturedSlotRoundTrips, "a captured send's slot round-trips; malformed bytes are refused") {
-  CapturedSlot slot;
-  slot.full = cuda::Flag{3, 1};
-  slot.empty = cuda::Flag{4, 1};
-  slot.memory.kind = cuda::IpcExport::Kind::kIpcHandle;
-  slot.memory.device = 1;
-  slot.memory.address = slot.memory.base = 0x7000;
-  slot.memory.bufferId = 9;
+TEST(capturedAnnouncementRoundTrips,
+     "a captured send's announcement round-trips, with its slot or direct; malformed bytes are "
+     "refused") {
+  CapturedAnnouncement announced;
+  announced.slot.full = cuda::Flag{3, 1};
+  announced.slot.empty = cuda::Flag{4, 1};
+  announced.slot.memory.kind = cuda::IpcExport::Kind::kIpcHandle;
+  announced.slot.memory.device = 1;
+  announced.slot.memory.address = announced.slot.memory.base = 0x7000;
+  announced.slot.memory.bufferId = 9;
   std::string bytes;
-  slot.appendTo(bytes);
-  const CapturedSlot back = CapturedSlot::read(bytes);
-  CHECK(back.full.index == 3 && back.empty.index == 4);
-  CHECK(back.memory.device == 1 && back.memory.address == 0x7000 && back.memory.bufferId == 9);
-  CHECK(testing::throwsError([&] { CapturedSlot::read(bytes.substr(0, 8)); },
-                             "malformed captured slot: 8 B"));
+  announced.appendTo(bytes);
+  const CapturedAnnouncement back = CapturedAnnouncement::read(bytes);
+  CHECK(back.way == CapturedWay::kSlot);
+  CHECK(back.slot.full.index == 3 && back.slot.empty.index == 4);
+  CHECK(back.slot.memory.device == 1 && back.slot.memory.address == 0x7000 &&
+        back.slot.memory.bufferId == 9);
+  CHECK(testing::throwsError([&] { CapturedAnnouncement::read(bytes.substr(0, 8)); },
+                             "malformed captured send announcement: 8 B"));
+
+  std::string direct;
+  CapturedAnnouncement{CapturedWay::kDirect, {}}.appendTo(direct);
+  CHECK(CapturedAnnouncement::read(direct).way == CapturedWay::kDirect);
+  // A slot's announcement without its slot, or a way nobody sends, is refused.
+  std::string bare = direct;
+  bare[0] = static_cast<char>(CapturedWay::kSlot);
+  CHECK(testing::throwsError([&] { CapturedAnnouncement::read(bare); },
+                             "malformed captured send announcement: way 1"));
+  bare[0] = 7;
+  CHECK(testing::throwsError([&] { CapturedAnnouncement::read(bare); },
+                             "malformed captured send announcement: way 7"));
+}
+
+PostedRecv postedRecv(uint64_t seq) {
+  PostedRecv recv;
+  recv.group = 5;
+  recv.tag = -3;
+  recv.seq = seq;
+  recv.bytes = 1 << 20;
+  recv.dtype = "float32";
+  recv.ready = cuda::Flag{11, 0};
+  recv.arrived = cuda::Flag{12, 0};
+  recv.buffer.kind = cuda::IpcExport::Kind::kIpcHandle;
+  recv.buffer.device = 2;
+  recv.buffer.address = 0x9100;
+  recv.buffer.base = 0x9000;
+  recv.buffer.bufferId = 77;
+  return recv;
+}
+
+TEST(postedRecvRoundTrips, "a captured recv's notice to its sender round-trips") {
+  std::string bytes;
+  postedRecv(6).appendTo(bytes);
+  const PostedRecv back = PostedRecv::read(bytes);
+  CHECK(back.group == 5 && back.tag == -3 && back.seq == 6 && back.bytes == (1u << 20));
+  CHECK(back.dtype == "float32" && back.ready.index == 11 && back.arrived.index == 12);
+  CHECK(back.buffer.device == 2 && back.buffer.address == 0x9100 && back.buffer.base == 0x9000 &&
+        back.buffer.bufferId == 77);
+  CHECK(testing::throwsError([&] { PostedRecv::read(bytes.substr(0, 10)); },
+                             "malformed captured recv notice: 10 B"));
+}
+
+TEST(postedRecvsTakeTheirOwnPlace,
+     "a captured send takes the notice of its place in its line, and forgets earlier ones") {
+  PostedRecvs posted;
+  for (uint64_t seq : {1, 2, 4}) posted.add("peer", PostedRecvs::Entry{postedRecv(seq), {}, {}});
+  const std::chrono::microseconds none{0};
+  // Another peer, group or tag is another line.
+  CHECK(!posted.take("other", 5, -3, 1, none));
+  CHECK(!posted.take("peer", 6, -3, 1, none));
+  CHECK(!posted.take("peer", 5, 0, 1, none));
+  // Place 3 has no notice (its recv was posted too late): the send goes without, and place 1,
+  // which a send passed, is forgotten with it.
+  CHECK(!posted.take("peer", 5, -3, 3, none));
+  CHECK(!posted.take("peer", 5, -3, 2, none));
+  const auto fourth = posted.take("peer", 5, -3, 4, none);
+  CHECK(fourth && fourth->recv.seq == 4);
+  CHECK(!posted.take("peer", 5, -3, 4, none));  // taken once
+}
+
+TEST(postedRecvsWaitForANoticeOnTheWay,
+     "a captured send waits its patience for its recv's notice, and no longer") {
+  PostedRecvs posted;
+  std::thread later([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    posted.add("peer", PostedRecvs::Entry{postedRecv(0), {}, {}});
+  });
+  const auto start = std::chrono::steady_clock::now();
+  const auto found = posted.take("peer", 5, -3, 0, std::chrono::seconds(5));
+  later.join();
+  CHECK(found && found->recv.seq == 0);
+  CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(4));
+  const auto waited = std::chrono::steady_clock::now();
+  CHECK(!posted.take("peer", 5, -3, 1, std::chrono::milliseconds(30)));
+  CHECK(std::chrono::steady_clock::now() - waited >= std::chrono::milliseconds(30));
+  posted.add("peer", PostedRecvs::Entry{postedRecv(2), {}, {}});
+  posted.dropPeer("peer");
+  CHECK(!posted.take("peer", 5, -3, 2, std::chrono::microseconds(0)));
 }
 
 }  // namespace

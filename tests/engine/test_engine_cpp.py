@@ -17,7 +17,8 @@ SOURCES = ["Matcher.cpp", "Wire.cpp", "TensorDesc.cpp", "Op.cpp", "Log.cpp", "Co
            "cuda/PinnedMemory.cpp", "channels/copy_engine/StagingRing.cpp",
            "channels/copy_engine/RingMemory.cpp",
            "channels/copy_engine/EagerLanes.cpp", "channels/captured/GraphWait.cpp",
-           "channels/captured/CapturedSlot.cpp"]
+           "channels/captured/CapturedAnnouncement.cpp",
+           "channels/captured/PostedRecvs.cpp"]
 
 
 def cuda_include():

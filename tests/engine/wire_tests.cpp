@@ -51,8 +51,8 @@ std::vector<Sample> samples() {
        "206f757402"},
       {MemoryReleased{"owner-key", {3, 1ull << 40}},
        "05090000006f776e65722d6b65790200000003000000000000000000000000010000"},
-      {ChannelNotice{"sender-key", std::string("\0\7", 2)},
-       "060a00000073656e6465722d6b6579020000000007"},
+      {ChannelNotice{"sender-key", ChannelKind::kCaptured, std::string("\0\7", 2)},
+       "060a00000073656e6465722d6b657902020000000007"},
       {Probe{"peer", true}, "07040000007065657201"},
   };
 }
@@ -125,8 +125,10 @@ TEST(wireRoundTripsEveryMessage, "wire: every message round-trips, field by fiel
   CHECK((released.ids == std::vector<uint64_t>{3, 1ull << 40}));
   CHECK(std::get<MemoryReleased>(roundTrip(MemoryReleased{"", {}})).ids.empty());
 
-  const auto notice = std::get<ChannelNotice>(roundTrip(ChannelNotice{"sender-key", std::string("\0\7", 2)}));
-  CHECK(notice.sender == "sender-key" && notice.data == std::string("\0\7", 2));
+  const auto notice = std::get<ChannelNotice>(
+      roundTrip(ChannelNotice{"sender-key", ChannelKind::kCaptured, std::string("\0\7", 2)}));
+  CHECK(notice.sender == "sender-key" && notice.channel == ChannelKind::kCaptured &&
+        notice.data == std::string("\0\7", 2));
 
   const auto probe = std::get<Probe>(roundTrip(Probe{"sender-key", false}));
   CHECK(probe.sender == "sender-key" && !probe.answer);
@@ -160,7 +162,7 @@ TEST(wireRejectsAHugeCountWithoutAllocating, "wire: a count past the message's e
 
 TEST(wireRejectsAnUnknownType, "wire: an unknown message type is refused") {
   for (uint8_t type : {uint8_t{0}, uint8_t{8}, uint8_t{255}}) {
-    std::vector<uint8_t> bytes = encode(ChannelNotice{"a", "b"});
+    std::vector<uint8_t> bytes = encode(ChannelNotice{"a", ChannelKind::kCopyEngine, "b"});
     bytes[0] = type;
     CHECK(testing::throwsError([&] { decode(bytes.data(), bytes.size()); },
                       "unknown control message type " + std::to_string(type) + " (known: 1 to 7)"));

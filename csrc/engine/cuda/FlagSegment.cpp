@@ -137,9 +137,12 @@ bool RemoteFlagSegment::isSet(const Flag& flag) const {
 void RemoteFlagSegment::set(const Flag& flag) const { raise(words_ + flag.index, flag.value); }
 
 void* RemoteFlagSegment::cudaAddress(uint32_t index) {
-  if (!registered_) {
-    registerHost(words_);
-    registered_ = true;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!registered_) {
+      registerHost(words_);
+      registered_ = true;
+    }
   }
   // Unified addressing: the host address of registered memory is valid on the device.
   return const_cast<uint32_t*>(words_ + index);

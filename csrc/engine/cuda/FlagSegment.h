@@ -88,12 +88,14 @@ class RemoteFlagSegment {
   bool isSet(const Flag& flag) const;
   uint32_t wordOf(const Flag& flag) const { return words_[flag.index]; }
   void set(const Flag& flag) const;
-  void* cudaAddress(uint32_t index);  // registers the mapping with CUDA on first use
+  // Registers the mapping with CUDA on first use (thread-safe).
+  void* cudaAddress(uint32_t index);
   // The word itself, for a compare-and-swap shared with its owner.
   volatile uint32_t* word(const Flag& flag) const { return words_ + flag.index; }
 
  private:
   volatile uint32_t* words_ = nullptr;
+  std::mutex mutex_;
   bool registered_ = false;
 };
 

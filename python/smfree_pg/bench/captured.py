@@ -13,8 +13,10 @@ smfree against NCCL captured, in one run.
   is replayed on a side stream until `--overlap-bytes` have moved each way; the GEMM's slowdown.
 
 The exchanges and the overlap also measure the floor, bare copies captured without any
-handshake (`BareCopies`): smfree's two copies (into a slot, then the peer's slot read over
-NVLink) and a single copy of the peer's tensor, the least any path moves.
+handshake (`BareCopies`): a single copy of the peer's tensor, the least any path moves and what
+smfree's batched exchange moves (each send copies straight into its recv's buffer), and two
+copies, the path of a send captured before its recv (into a slot, with the driver's copy, then
+the peer's slot read over NVLink).
 """
 
 from __future__ import annotations
@@ -82,8 +84,9 @@ class BareCopies:
     """The copies of a captured exchange without its handshake, one graph per probe: what the
     copy engines take for the same bytes when nothing waits for the peer.
 
-    "two_copies" is smfree's data path (`send` into a slot on this GPU, then the peer's slot
-    read into `recv` over NVLink); "one_copy" reads the peer's `send` into `recv` directly.
+    "one_copy" reads the peer's `send` into `recv` directly, as much as smfree's batched
+    exchange moves; "two_copies" is the path through a slot (`send` into a slot on this GPU,
+    then the peer's slot read into `recv` over NVLink).
     Both ranks fill their slots before capture and every copy moves the same bytes, so each
     replay delivers the peer's pattern although nothing orders the two ranks' copies.
     """

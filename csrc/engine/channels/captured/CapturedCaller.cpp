@@ -48,7 +48,11 @@ CudaFence CapturedChannel::prepare(Op& op, const PostOptions& options) {
     captured->done = std::make_unique<cuda::Event>(device);
     const auto stream = static_cast<CUstream>(op.request.stream);
     captured->posted->record(stream);
-    if (captured->isSend) queueSend(*captured);
+    if (captured->isSend) {
+      queueSend(*captured, op);
+    } else {
+      postRecv(*captured, op, options);
+    }
   } else if (captured->isSend) {
     captured->phase = CapturedOp::Phase::kQueued;  // nothing to move
   }
@@ -64,7 +68,75 @@ CudaFence CapturedChannel::prepare(Op& op, const PostOptions& options) {
   return CudaFence{.channel = ChannelKind::kCaptured, .captured = std::move(captured)};
 }
 
-void CapturedChannel::queueSend(CapturedOp& send) {
+void CapturedChannel::postRecv(CapturedOp& recv, const Op& op, const PostOptions& options) {
+  const Buffer& buffer = recv.buffer;
+  recv.ready = std::make_unique<cuda::OwnedFlag>(flags_);
+  recv.arrived = std::make_unique<cuda::OwnedFlag>(flags_);
+  flags_.store(recv.ready->get(), 0);
+  flags_.store(recv.arrived->get(), 0);
+  // Set at every replay once the graph has reached the recv: a send that copies straight into
+  // the buffer waits for it, since the graph may use the buffer before.
+  const CUstream chain = chains_.join(recv.captureId, buffer.device, *recv.posted);
+  cuda::writeWord(chain, flags_.cudaAddress(recv.ready->get().index), 1,
+                  "cuStreamWriteValue32 (captured recv: its buffer is free)");
+  if (!options.placeKnown) return;  // no send can tell that it meets this recv
+  PostedRecv notice{op.groupId,     op.request.tag,    op.seq,
+                    buffer.bytes,   op.request.desc.dtype, recv.ready->get(),
+                    recv.arrived->get(), {}};
+  try {
+    std::lock_guard<std::mutex> lock(exportMutex_);
+    notice.buffer = exporter_.exportBuffer(buffer.data, buffer.bytes, buffer.device,
+                                           options.peerKey);
+  } catch (const Error& error) {
+    // Its sender then goes through its slot, which needs nothing of this buffer's.
+    log(LogLevel::kInfo, recv.what, ": its buffer cannot be shared, so its send goes through a "
+        "slot (", reasonOf(error), ")");
+    return;
+  }
+  std::string data;
+  notice.appendTo(data);
+  std::lock_guard<std::mutex> lock(outboxMutex_);
+  outbox_.emplace_back(options.peerKey, std::move(data));
+}
+
+void CapturedChannel::queueSend(CapturedOp& send, const Op& op) {
+  std::optional<PostedRecvs::Entry> recv =
+      postedRecvs_.take(send.peerKey, op.groupId, op.request.tag, op.seq, kDirectPatience);
+  const CUstream chain = chains_.join(send.captureId, send.buffer.device, *send.posted);
+  if (recv && recv->recv.bytes == send.buffer.bytes && recv->recv.dtype == op.request.desc.dtype) {
+    queueDirect(send, *recv, chain);
+  } else {
+    // Its recv was not posted in time, or does not fit (the match then refuses both).
+    queueThroughSlot(send, chain);
+  }
+  send.done->record(chain);
+  send.phase = CapturedOp::Phase::kQueued;
+}
+
+void CapturedChannel::queueDirect(CapturedOp& send, const PostedRecvs::Entry& recv,
+                                  CUstream chain) {
+  const Buffer& buffer = send.buffer;
+  const cuda::IpcExport& destination = recv.recv.buffer;
+  send.destinationMapping = std::make_unique<cuda::PeerMapping>(
+      destination, recv.ownerPidfd ? recv.ownerPidfd->get() : -1, buffer.device);
+  send.destination =
+      send.destinationMapping->address() + (destination.address - destination.start());
+  send.receiverWords = recv.words;
+  send.receiverReady = recv.recv.ready;
+  send.receiverArrived = recv.recv.arrived;
+  void* waiting = flags_.cudaAddress(send.waiting->get().index);
+  takeWord(chain, waiting, send.receiverWords->cudaAddress(send.receiverReady.index),
+           "cuStreamBatchMemOp (captured send: wait for its receiver's buffer)");
+  cuda::queueCopyThrough(chain, buffer.device, {send.destination, destination.device},
+                         {address(buffer.data), buffer.device}, buffer.bytes, send.bounce,
+                         "cuMemcpyAsync (captured send, into its receiver's buffer)");
+  cuda::writeWord(chain, send.receiverWords->cudaAddress(send.receiverArrived.index), 1,
+                  "cuStreamWriteValue32 (captured send: bytes arrived)");
+  send.way = CapturedWay::kDirect;
+  directSends_.fetch_add(1, std::memory_order_relaxed);
+}
+
+void CapturedChannel::queueThroughSlot(CapturedOp& send, CUstream chain) {
   const Buffer& buffer = send.buffer;
   // Through a peer GPU, the slot lies there: its copy in is then a single hop.
   const int bounceDevice = cuda::localCopies() == cuda::LocalCopies::kPeerGpu
@@ -73,31 +145,36 @@ void CapturedChannel::queueSend(CapturedOp& send) {
   const int slotDevice = bounceDevice >= 0 ? bounceDevice : buffer.device;
   send.slot = std::make_unique<cuda::DeviceMemory>(slotDevice, buffer.bytes);
   log(LogLevel::kInfo, send.what, ": a slot of ", buffer.bytes, " B on cuda:", slotDevice,
-      " for the life of its graph");
+      " for the life of its graph (its recv was not posted ", kDirectPatience.count() / 1000,
+      " ms after it)");
   send.full = std::make_unique<cuda::OwnedFlag>(flags_);
   send.empty = std::make_unique<cuda::OwnedFlag>(flags_);
   flags_.store(send.full->get(), 0);
   flags_.store(send.empty->get(), 1);  // the first replay finds the slot free
   void* waiting = flags_.cudaAddress(send.waiting->get().index);
   void* empty = flags_.cudaAddress(send.empty->get().index);
-  const CUstream chain = chains_.join(send.captureId, buffer.device, *send.posted);
   takeWord(chain, waiting, empty, "cuStreamBatchMemOp (captured send: wait for its slot)");
   cuda::queueCopyThrough(chain, buffer.device, {send.slot->address(), slotDevice},
                          {address(buffer.data), buffer.device}, buffer.bytes, send.bounce,
                          "cuMemcpyAsync (captured send, into its slot)");
   cuda::writeWord(chain, flags_.cudaAddress(send.full->get().index), 1,
                   "cuStreamWriteValue32 (captured send: slot full)");
-  send.done->record(chain);
-  send.phase = CapturedOp::Phase::kQueued;
 }
 
 void CapturedChannel::queueRecv(CapturedOp& recv) {
   const Buffer& buffer = recv.buffer;
   cuda::ContextGuard context(buffer.device);
-  cuda::RemoteFlagSegment& words = *recv.sourceWords;
   void* waiting = flags_.cudaAddress(recv.waiting->get().index);
-  void* full = words.cudaAddress(recv.source.full.index);
   const CUstream chain = chains_.join(recv.captureId, buffer.device, *recv.posted);
+  if (recv.way == CapturedWay::kDirect) {
+    takeWord(chain, waiting, flags_.cudaAddress(recv.arrived->get().index),
+             "cuStreamBatchMemOp (captured recv: wait for its sender's copy)");
+    recv.done->record(chain);
+    recv.phase = CapturedOp::Phase::kQueued;
+    return;
+  }
+  cuda::RemoteFlagSegment& words = *recv.sourceWords;
+  void* full = words.cudaAddress(recv.source.full.index);
   takeWord(chain, waiting, full,
            "cuStreamBatchMemOp (captured recv: wait for its sender's slot)");
   const CUdeviceptr slot = recv.sourceSlot->address() +

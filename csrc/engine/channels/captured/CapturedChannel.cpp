@@ -1,5 +1,7 @@
 #include "engine/channels/captured/CapturedChannel.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 
 #include "engine/Error.h"
@@ -21,11 +23,12 @@ void CapturedChannel::Graveyard::bury(std::shared_ptr<CapturedOp> op) {
 }
 
 CapturedChannel::CapturedChannel(CudaOps& cudaOps, const ProgressThread& thread,
-                                 Failures& failures, Done onDone)
+                                 Failures& failures, Done onDone, Notify notify)
     : thread_(thread),
       failures_(failures),
       flags_(cudaOps.flags()),
-      onDone_(std::move(onDone)) {}
+      onDone_(std::move(onDone)),
+      notify_(std::move(notify)) {}
 
 CapturedChannel::~CapturedChannel() {
   std::vector<std::shared_ptr<CapturedOp>> buried;
@@ -40,27 +43,74 @@ bool CapturedChannel::reaches(const Peer& peer) const { return peer.sameHost; }
 
 std::string CapturedChannel::announce(const Op& send) {
   const CapturedOp& op = capturedOf(send);
-  if (!op.slot) return {};  // 0 B: nothing to say
+  if (op.buffer.bytes == 0) return {};  // nothing to say
+  CapturedAnnouncement announced{op.way, {}};
+  if (op.way == CapturedWay::kSlot) {
+    announced.slot = CapturedSlot{op.full->get(), op.empty->get(), op.slot->exportIpc()};
+  }
   std::string data;
-  CapturedSlot{op.full->get(), op.empty->get(), op.slot->exportIpc()}.appendTo(data);
+  announced.appendTo(data);
   return data;
+}
+
+std::shared_ptr<cuda::RemoteFlagSegment> CapturedChannel::wordsOf(const Peer& peer) {
+  auto& words = peerWords_[peer.address.processKey];
+  if (!words) words = std::make_shared<cuda::RemoteFlagSegment>(peer.address.flagSegment);
+  return words;
 }
 
 std::string CapturedChannel::armRecv(const std::shared_ptr<Op>& recv, Peer& source,
                                      const std::string& announced) {
   thread_.check("CapturedChannel::armRecv");
   CapturedOp& op = capturedOf(*recv);
-  CapturedSlot slot = CapturedSlot::read(announced);
-  auto& words = senderWords_[source.address.processKey];
-  if (!words) words = std::make_shared<cuda::RemoteFlagSegment>(source.address.flagSegment);
+  CapturedAnnouncement announcement = CapturedAnnouncement::read(announced);
+  if (announcement.way == CapturedWay::kDirect) {
+    if (!op.arrived) {
+      fail(recv->describe(), " matched a send that copies straight into its buffer, which "
+           "this recv did not tell its sender");
+    }
+    op.way = CapturedWay::kDirect;
+    op.phase.store(CapturedOp::Phase::kMatched, std::memory_order_release);
+    return {};
+  }
+  const std::shared_ptr<cuda::RemoteFlagSegment> words = wordsOf(source);
   cuda::ContextGuard context(op.buffer.device);
   words->cudaAddress(0);  // registered here, once: callers' threads only read its addresses
   const int ownerPidfd = source.watch ? source.watch->fd() : -1;
+  CapturedSlot& slot = announcement.slot;
   op.sourceSlot = std::make_unique<cuda::PeerMapping>(slot.memory, ownerPidfd, op.buffer.device);
   op.source = std::move(slot);
   op.sourceWords = words;
   op.phase.store(CapturedOp::Phase::kMatched, std::memory_order_release);
   return {};
+}
+
+bool CapturedChannel::progress() {
+  std::vector<std::pair<std::string, std::string>> notices;
+  {
+    std::lock_guard<std::mutex> lock(outboxMutex_);
+    notices.swap(outbox_);
+  }
+  for (auto& [peer, data] : notices) notify_(peer, std::move(data));
+  return !notices.empty();
+}
+
+void CapturedChannel::onNotice(Peer& source, const std::string& data) {
+  thread_.check("CapturedChannel::onNotice");
+  PostedRecvs::Entry entry;
+  try {
+    entry.recv = PostedRecv::read(data);
+  } catch (const Error& error) {
+    log(LogLevel::kError, "ignored a captured recv notice from ", source.describe(), ": ",
+        error.what());
+    return;
+  }
+  if (source.watch) {
+    const int pidfd = ::dup(source.watch->fd());
+    if (pidfd >= 0) entry.ownerPidfd = std::make_shared<cuda::OwnedFd>(pidfd);
+  }
+  entry.words = wordsOf(source);
+  postedRecvs_.add(source.address.processKey, std::move(entry));
 }
 
 void CapturedChannel::cleared(const std::shared_ptr<Op>& recv, bool) {
@@ -87,6 +137,7 @@ void CapturedChannel::ended(Op& op, const Status& status) {
 }
 
 void CapturedChannel::peerFailed(Peer& peer) {
+  postedRecvs_.dropPeer(peer.address.processKey);
   adoptCaptured();
   for (const auto& op : watched_) {
     if (op->peerKey != peer.address.processKey || op->broken) continue;
@@ -123,6 +174,11 @@ void CapturedChannel::buryDestroyed() {
 void CapturedChannel::sweep() {
   adoptCaptured();
   buryDestroyed();
+  {
+    // Closes what it kept of freed buffers; their importers' mappings end with their graphs.
+    std::lock_guard<std::mutex> lock(exportMutex_);
+    exporter_.sweep();
+  }
   const auto now = GraphWait::Clock::now();
   for (const auto& op : watched_) {
     if (op->phase.load() != CapturedOp::Phase::kQueued) continue;  // no node in a graph yet
@@ -141,8 +197,9 @@ void CapturedChannel::sweep() {
 std::string CapturedChannel::stuck(const CapturedOp& op) {
   return concat(op.what, " failed at a replay of its CUDA graph: it waited the group timeout of ",
                 op.timeout.count(), " ms for rank ", op.peerRank, "'s graph to ",
-                op.isSend ? "take the bytes of its previous replay"
-                          : "send this replay's bytes",
+                !op.isSend                        ? "send this replay's bytes"
+                : op.way == CapturedWay::kDirect ? "reach the recv of this replay's bytes"
+                                                  : "take the bytes of its previous replay",
                 " (does that rank replay its graph as often?); its waits are released from now "
                 "on, and the bytes its graph moves are wrong");
 }
@@ -159,8 +216,13 @@ void CapturedChannel::breakGroup(uint64_t groupId, const std::string& why) {
 
 void CapturedChannel::release(const CapturedOp& op) {
   // The handshake's words go from 0 to 1: raising one never lowers what a GPU wrote.
-  if (op.isSend) {
+  const bool direct = op.way == CapturedWay::kDirect;
+  if (op.isSend && direct) {
+    op.receiverWords->set(cuda::Flag{op.receiverReady.index, 1});
+  } else if (op.isSend) {
     flags_.set(cuda::Flag{op.empty->get().index, 1});
+  } else if (direct) {
+    flags_.set(cuda::Flag{op.arrived->get().index, 1});
   } else {
     op.sourceWords->set(cuda::Flag{op.source.full.index, 1});
   }
@@ -193,6 +255,7 @@ void CapturedChannel::addStats(std::map<std::string, int64_t>& stats) const {
     slotBytes += static_cast<int64_t>(op->slot->bytes());
   }
   stats["captured_ops"] = static_cast<int64_t>(ops.size());
+  stats["captured_direct_sends"] = directSends_.load(std::memory_order_relaxed);
   stats["captured_slots"] = slots;
   stats["captured_slot_bytes"] = slotBytes;
 }

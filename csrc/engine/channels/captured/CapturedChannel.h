@@ -1,9 +1,13 @@
 #pragma once
 
+#include <atomic>
+#include <chrono>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "engine/Channel.h"
@@ -12,7 +16,9 @@
 #include "engine/ProgressThread.h"
 #include "engine/channels/captured/CapturedOp.h"
 #include "engine/channels/captured/ChainStreams.h"
+#include "engine/channels/captured/PostedRecvs.h"
 #include "engine/cuda/FlagSegment.h"
+#include "engine/cuda/IpcExport.h"
 
 namespace smfree::engine {
 
@@ -23,31 +29,43 @@ namespace smfree::engine {
 // At capture both ranks run the capturing code, so the CPU rendezvous happens then, once: a
 // captured send meets the captured recv of its (peer, tag) line (captured ops have lines of
 // their own, GroupState), sizes and dtypes are checked, and the receiver learns where its
-// bytes will be. What the two graphs hold for one message:
-//  - the sender's slot, device memory of the message's size on the sender's GPU, and two words
-//    of the sender's flag segment: `full`, 0 at capture, and `empty`, 1;
-//  - the sender's nodes, at its post: {wait empty == 1; empty = 0}, the copy of the tensor
-//    into the slot (on its own GPU), full = 1;
-//  - the receiver's, at its wait(): {wait full == 1; full = 0}, the copy of the slot into the
-//    tensor (the receiver's copy engine reading over NVLink), empty = 1.
+// bytes will come from. A captured recv tells its sender at its post where its buffer is
+// (PostedRecvs); a send posted after that notice came (it waits up to kDirectPatience for it)
+// copies straight into the buffer, one copy between the two GPUs; one posted before goes
+// through a slot of its own, since it cannot wait at capture for a recv its peer may post only
+// after it. What the two graphs hold for one message:
+//  - direct: two words of the receiver's flag segment, `ready` and `arrived`, 0 at capture.
+//    The receiver's nodes: at its post, ready = 1 (its graph has reached the recv, the buffer
+//    is free); at its wait(), {wait arrived == 1; arrived = 0}. The sender's, at its post:
+//    {wait ready == 1; ready = 0}, the copy of its tensor into the receiver's buffer,
+//    arrived = 1;
+//  - through the slot: the sender's slot, device memory of the message's size on the sender's
+//    GPU, and two words of the sender's flag segment: `full`, 0 at capture, and `empty`, 1.
+//    The sender's nodes, at its post: {wait empty == 1; empty = 0}, the copy of the tensor
+//    into the slot (on its own GPU), full = 1; the receiver's, at its wait(): {wait full == 1;
+//    full = 0}, the copy of the slot into the tensor (the receiver's copy engine reading over
+//    NVLink), empty = 1. A send waits only for its receiver's previous replay to have emptied
+//    its slot, never for the current one: it completes in any posting order, as an eager send
+//    does.
 // Each word is set by one side and reset by the other right after its wait, so its values stay
-// 0 and 1 and the graphs replay any number of times with the values frozen at capture. A send
-// waits only for its receiver's previous replay to have emptied its slot, never for the
-// current one: it completes in any posting order, as an eager send does.
+// 0 and 1 and the graphs replay any number of times with the values frozen at capture. (A
+// recv's `ready` is set at every replay; only a direct send resets it.)
 //
 // Ordering: an op's nodes go on its capture's chain (ChainStreams), forked from the caller's
 // stream at the post (the chain waits for `posted`, recorded there) and joined by the caller's
-// stream at the op's wait() (which waits for `done`). A send's nodes are queued at its post, a
-// recv's at its wait(): program order, as for the eager lanes.
+// stream at the op's wait() (which waits for `done`). A send's nodes and a recv's `ready` are
+// queued at the post, a recv's other nodes at its wait(): program order, as for the eager lanes.
 //
-// Deadlock: a replay's waits are for the peer's graph: a send's for the peer's previous
-// replay, which needs nothing of this replay; a recv's for a send its peer queued earlier in
-// its program. The chain holds every smfree node of the process in program order, so every
-// node of this process that a recv's wait depends on, through the peer, is an ancestor of that
-// wait in the graph and runs before it, however the graph's nodes share hardware queues
-// (CUDA_DEVICE_MAX_CONNECTIONS=1 too). A cycle of waits is then a cycle in the two programs
-// (each rank waiting for a recv before posting the send the other needs), which hangs on NCCL
-// too.
+// Deadlock: every wait of a replay is for a node that existed when the waiting node was made: a
+// recv's wait() is queued only once its send's nodes are (its announcement came), a direct
+// send's only once its recv's `ready` was (its notice came), and within a process the chain
+// and the caller's streams hold nodes in the order they were made; a slot's wait is for the
+// peer's previous replay. So no wait depends on a node made after it, and the waits form no
+// cycle; and since the chain holds every smfree node of the process in the order they were
+// made, every node of this process that a wait depends on, through a peer, is an ancestor of
+// that wait in the graph and runs before it, however the graph's nodes share hardware queues
+// (CUDA_DEVICE_MAX_CONNECTIONS=1 too). (Another library's collective in the same graph waits
+// for its peers outside this order, as it would beside NCCL's point-to-point kernels.)
 //
 // Faults: each wait is bracketed by writes of a watched word (GraphWait). A wait that lasts the
 // group timeout (a peer that stopped replaying), or any wait of an op whose peer died, is
@@ -55,8 +73,15 @@ namespace smfree::engine {
 // call, naming the op, and its graphs' waits are released at every replay from then on.
 class CapturedChannel final : public Channel {
  public:
+  // Sends a ChannelNotice's data to a peer (by process key).
+  using Notify = std::function<void(const std::string&, std::string)>;
+
+  // How long a captured send waits at its post for its recv's notice (PostedRecvs): ranks that
+  // capture a batch of sends and recvs at once post within it of each other.
+  static constexpr std::chrono::microseconds kDirectPatience{50000};
+
   CapturedChannel(CudaOps& cudaOps, const ProgressThread& thread, Failures& failures,
-                  Done onDone);
+                  Done onDone, Notify notify);
   ~CapturedChannel() override;
 
   // Caller's thread (CapturedCaller.cpp).
@@ -76,6 +101,10 @@ class CapturedChannel final : public Channel {
   void cancel(Op& op) override {}  // nothing moves at capture: the op ends as it fails
   void ended(Op& op, const Status& status) override;
   void peerFailed(Peer& peer) override;
+  // Sends the notices of the recvs posted since (PostedRecvs).
+  bool progress() override;
+  // A peer's captured recv was posted: a send of this process may copy straight into it.
+  void onNotice(Peer& source, const std::string& data) override;
   // The watchdog: releases the replays' waits that lasted the group timeout or can no longer
   // end, and lets go of what destroyed graphs held.
   void sweep() override;
@@ -96,8 +125,13 @@ class CapturedChannel final : public Channel {
     void bury(std::shared_ptr<CapturedOp> op);
   };
 
-  // Caller's thread: the send's nodes, at its post.
-  void queueSend(CapturedOp& send);
+  // Caller's thread: the recv's `ready`, and its notice to its sender, at its post.
+  void postRecv(CapturedOp& recv, const Op& op, const PostOptions& options);
+  // Caller's thread: the send's nodes, at its post, straight into its recv's buffer where the
+  // recv's notice came in time, else through a slot.
+  void queueSend(CapturedOp& send, const Op& op);
+  void queueDirect(CapturedOp& send, const PostedRecvs::Entry& recv, CUstream chain);
+  void queueThroughSlot(CapturedOp& send, CUstream chain);
   // Caller's thread: the recv's nodes, at its first wait().
   void queueRecv(CapturedOp& recv);
   // Progress thread: the watchdog's part.
@@ -112,13 +146,24 @@ class CapturedChannel final : public Channel {
   Failures& failures_;
   cuda::FlagSegment& flags_;
   Done onDone_;
+  Notify notify_;
   ChainStreams chains_;
+  // Recvs' buffers are exported on callers' threads; the progress thread sweeps what was freed.
+  std::mutex exportMutex_;
+  cuda::IpcExporter exporter_;
+  std::mutex outboxMutex_;
+  std::vector<std::pair<std::string, std::string>> outbox_;  // (peer, notice) to send
+  PostedRecvs postedRecvs_;
+  std::atomic<int64_t> directSends_{0};
   std::shared_ptr<Graveyard> graveyard_ = std::make_shared<Graveyard>();
   mutable std::mutex capturedMutex_;
   std::vector<std::shared_ptr<CapturedOp>> captured_;  // posted, not yet watched
   // Progress thread only.
   std::vector<std::shared_ptr<CapturedOp>> watched_;
-  std::map<std::string, std::shared_ptr<cuda::RemoteFlagSegment>> senderWords_;
+  std::map<std::string, std::shared_ptr<cuda::RemoteFlagSegment>> peerWords_;  // by process key
+
+  // The peer's flag segment, mapped and registered with CUDA on first use.
+  std::shared_ptr<cuda::RemoteFlagSegment> wordsOf(const Peer& peer);
 };
 
 }  // namespace smfree::engine

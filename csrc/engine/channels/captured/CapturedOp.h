@@ -19,16 +19,29 @@
 
 namespace smfree::engine {
 
-// What a captured send tells its receiver with its announcement: where its slot is, and the
-// two words of the sender's flag segment its graph and the receiver's hand each other.
+// How a captured send's bytes reach its receiver's buffer (CapturedChannel.h).
+enum class CapturedWay : uint32_t {
+  kSlot = 1,    // through a slot of the sender's: the send waits for nothing of this replay
+  kDirect = 2,  // straight into the buffer of a recv posted before the send: one copy
+};
+
+// Where a captured send's slot is, and the two words of the sender's flag segment its graph
+// and the receiver's hand each other.
 struct CapturedSlot {
   cuda::Flag full;   // 1 once the slot holds the bytes of the sender's latest replay
   cuda::Flag empty;  // 1 once the receiver's replay has copied them out
   cuda::IpcExport memory;
+};
+
+// What a captured send tells its receiver with its announcement: its way, and its slot where
+// it has one.
+struct CapturedAnnouncement {
+  CapturedWay way = CapturedWay::kSlot;
+  CapturedSlot slot;  // kSlot only
 
   void appendTo(std::string& out) const;
   // Throws Error on malformed bytes.
-  static CapturedSlot read(const std::string& data);
+  static CapturedAnnouncement read(const std::string& data);
 };
 
 // One op captured in a CUDA graph: what its graph's nodes use, shared by the op (the progress
@@ -58,13 +71,31 @@ struct CapturedOp {
   std::unique_ptr<cuda::Event> posted;       // the caller's stream at the post
   std::unique_ptr<cuda::Event> done;         // after the op's last node in the graph
 
-  // Send: its slot, and the words of its handshake (this process's). Where copies within one
-  // GPU go through a peer GPU, the slot lies there, so that the copy into it is one hop.
+  // A send's way, fixed at its post; a recv's, learnt at its match.
+  CapturedWay way = CapturedWay::kSlot;
+
+  // Send through a slot: its slot, and the words of its handshake (this process's). Where
+  // copies within one GPU go through a peer GPU, the slot lies there, so that the copy into it
+  // is one hop.
   std::unique_ptr<cuda::DeviceMemory> slot;
   std::unique_ptr<cuda::OwnedFlag> full;
   std::unique_ptr<cuda::OwnedFlag> empty;
 
-  // Recv, once matched: its sender's slot and words, mapped here.
+  // Send straight into its recv's buffer: that buffer mapped here (at `destination`), and the
+  // receiver's words of the handshake.
+  std::unique_ptr<cuda::PeerMapping> destinationMapping;
+  CUdeviceptr destination = 0;
+  std::shared_ptr<cuda::RemoteFlagSegment> receiverWords;
+  cuda::Flag receiverReady;
+  cuda::Flag receiverArrived;
+
+  // Recv: its words of a direct send's handshake (this process's), 0 at capture. Its graph
+  // sets `ready` at the post (the buffer is free), the sender's takes it before its copy;
+  // the sender's copy sets `arrived`, the recv's wait takes it.
+  std::unique_ptr<cuda::OwnedFlag> ready;
+  std::unique_ptr<cuda::OwnedFlag> arrived;
+
+  // Recv through its sender's slot, once matched: that slot and the sender's words, mapped here.
   CapturedSlot source;
   std::shared_ptr<cuda::RemoteFlagSegment> sourceWords;
   std::unique_ptr<cuda::PeerMapping> sourceSlot;
