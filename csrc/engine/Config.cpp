@@ -28,7 +28,7 @@ Transport parseTransport(const char* text) {
 }
 
 cuda::LocalCopies parseLocalCopies(const char* text) {
-  const std::string value = text && *text ? text : "driver";
+  const std::string value = text && *text ? text : "peer_gpu";
   if (value == "driver") return cuda::LocalCopies::kDriver;
   if (value == "peer_gpu") return cuda::LocalCopies::kPeerGpu;
   if (value == "host") return cuda::LocalCopies::kHost;
@@ -89,8 +89,11 @@ Config Config::fromEnv() {
   config.maxCudaOps = parseBetween("SMFREE_MAX_CUDA_OPS", 1024, 1, kMostCudaOps);
   config.transport = parseTransport(std::getenv("SMFREE_TRANSPORT"));
   config.localCopies = parseLocalCopies(std::getenv("SMFREE_LOCAL_COPIES"));
+  // A staged send's copy out of its slot is a copy within one GPU: on the driver's copies it
+  // saves the sender's copy engine a wait, bounced it costs two hops more than that wait.
+  const long staging = config.localCopies == cuda::LocalCopies::kDriver ? 16 << 20 : 0;
   config.stagingBytes =
-      static_cast<uint64_t>(parseNonNegative("SMFREE_STAGING_BYTES", 16 << 20));
+      static_cast<uint64_t>(parseNonNegative("SMFREE_STAGING_BYTES", staging));
   config.eagerBytes = static_cast<uint64_t>(parseNonNegative("SMFREE_EAGER_BYTES", 16 << 20));
   config.ringMemoryBytes =
       static_cast<uint64_t>(parseNonNegative("SMFREE_RING_MEMORY_BYTES", 1l << 30));

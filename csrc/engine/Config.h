@@ -41,11 +41,12 @@ struct Config {
   // Most CUDA ops a process keeps in flight before a new one waits (SMFREE_MAX_CUDA_OPS).
   size_t maxCudaOps;
   Transport transport;
-  // How copies within one GPU run (SMFREE_LOCAL_COPIES): the driver's (SMs on CUDA 13.0
-  // drivers), or copy-engine hops through a peer GPU's memory or pinned host memory.
+  // How copies within one GPU run (SMFREE_LOCAL_COPIES): copy-engine hops through a peer
+  // GPU's memory (the default) or pinned host memory, or the driver's (SMs on CUDA 13.0 drivers).
   cuda::LocalCopies localCopies;
   // Largest send that may be staged in the receiver's memory (SMFREE_STAGING_BYTES): the
-  // size of each slot of a staging ring; 0 turns staging off.
+  // size of each slot of a staging ring; 0 turns staging off (the default unless copies within
+  // one GPU are the driver's).
   uint64_t stagingBytes;
   // Largest CUDA send on the copy engines that goes eagerly, into a slot of its receiver's
   // memory at its post (SMFREE_EAGER_BYTES); 0 turns eager sends off.

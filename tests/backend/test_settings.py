@@ -108,7 +108,8 @@ def test_local_copies_other_than_the_three_ways_are_refused():
         result.stderr
 
 
-@pytest.mark.parametrize("value,way", [("", "the driver's copies"),
+@pytest.mark.parametrize("value,way", [("", "two copy-engine hops through a peer GPU's memory"),
+                                       ("driver", "the driver's copies"),
                                        ("host", "two copy-engine hops through pinned host memory")])
 def test_the_way_copies_within_one_gpu_run_is_logged(value, way):
     assert f"copies within one GPU: {way}" in engine_log(SMFREE_LOCAL_COPIES=value)

@@ -189,8 +189,10 @@ def _peer_dies_with_its_copy_queued(rank, world, numel, staged):
 @pytest.mark.parametrize("numel,staged", [(1 << 24, False), (1 << 22, True)],
                          ids=["direct-64MiB", "staged-16MiB"])
 def test_dead_peer_leaves_no_stream_parked(cuda_channel, numel, staged):
-    # Eager slots of 8 MiB leave the 16 MiB send to staging (slots take up to 16 MiB by default).
-    env = {"SMFREE_EAGER_BYTES": str(8 << 20)} if staged else None
+    # Eager slots of 8 MiB leave the 16 MiB send to staging (slots take up to 16 MiB by default),
+    # turned on: off by default, where copies within one GPU bounce.
+    env = {"SMFREE_EAGER_BYTES": str(8 << 20), "SMFREE_STAGING_BYTES": str(16 << 20)} \
+        if staged else None
     waited, marker, (error, refusal), staged_recvs = cuda_channel.run(
         _peer_dies_with_its_copy_queued, 2, numel, staged, env=env, group_timeout_s=60,
         expect_exit=(1,))[0]

@@ -15,11 +15,12 @@ from payloads import exchange, numbered
 pytestmark = pytest.mark.gpu
 
 
-# Sizes on both sides of staging's range (8 MiB to SMFREE_STAGING_BYTES, 16 MiB by default).
+# Sizes on both sides of staging's range (8 MiB to SMFREE_STAGING_BYTES, 16 MiB below).
 STAGING_SIZES = [16 << 20, 4 << 20, 1 << 20, 20 << 20, 8 << 20]
-# Eager lanes take sends up to their slot (16 MiB by default) before staging can: slots of
-# 8 MiB leave the sends above them to staging.
-EAGER_BELOW_STAGING = {"SMFREE_EAGER_BYTES": str(8 << 20)}
+# Staging is off by default (its copy out of a slot is a copy within one GPU, which goes in two
+# hops unless the driver's copies run it); eager lanes take sends up to their slot (16 MiB by
+# default) before staging can: slots of 8 MiB leave the sends above them to staging.
+EAGER_BELOW_STAGING = {"SMFREE_EAGER_BYTES": str(8 << 20), "SMFREE_STAGING_BYTES": str(16 << 20)}
 
 
 def _one_way_into_one_buffer(rank, world, rounds):

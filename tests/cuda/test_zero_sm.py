@@ -1,8 +1,9 @@
-"""Zero SMs: with copies within one GPU bounced (SMFREE_LOCAL_COPIES peer_gpu or host), every
-same-host CUDA op finishes while a kernel holds every SM of both GPUs (a copy the driver ran as
-a kernel of its own would wait for the hold to end): eager, rendezvous and
-any-source exchanges, exchanges captured in CUDA graphs (batched and unbatched, 4 KiB to
-256 MiB), ops to the rank itself. A kernel queued the same way must end only after the hold,
+"""Zero SMs: with the default settings (copies within one GPU bounced through a peer GPU), and
+with them bounced through host memory, every same-host CUDA op finishes while a kernel holds
+every SM of both GPUs (a copy the driver ran as a kernel of its own would wait for the hold to
+end): eager, rendezvous and any-source exchanges, exchanges captured in CUDA graphs (batched,
+which copy straight into the recv's buffer, and unbatched, through slots; 4 KiB to 256 MiB),
+ops to the rank itself. A kernel queued the same way must end only after the hold,
 or the GPUs were not held; a bare copy to host memory must end during it; every op's bytes are
 checked after.
 
@@ -30,12 +31,13 @@ def _every_path_held(rank, world):
                       captured_sizes=[4 << 10, 1 << 20, 64 << 20, 256 << 20], hold_ms=600)
 
 
-@pytest.mark.parametrize("local_copies", ["peer_gpu", "host"])
+@pytest.mark.parametrize("local_copies", ["default", "host"])
 def test_every_same_host_op_finishes_while_every_sm_is_held(local_copies):
     COPY_ENGINE.skip_unless_ranks(2)
-    results = COPY_ENGINE.run(_every_path_held, 2, timeout=300,
-                              env={"CUDA_DEVICE_MAX_CONNECTIONS": "8",
-                                   "SMFREE_LOCAL_COPIES": local_copies})
+    env = {"CUDA_DEVICE_MAX_CONNECTIONS": "8"}
+    if local_copies != "default":
+        env["SMFREE_LOCAL_COPIES"] = local_copies
+    results = COPY_ENGINE.run(_every_path_held, 2, timeout=300, env=env)
     for rank, seen in enumerate(results):
         for name, times in seen.items():
             assert not times["control_during"], (

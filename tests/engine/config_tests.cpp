@@ -43,10 +43,12 @@ TEST(configDefaults, "config: unset variables take their defaults") {
   ScopedEnv env{{"SMFREE_TRANSPORT", nullptr}, {"SMFREE_STAGING_BYTES", nullptr},
                 {"SMFREE_IPC_CACHE_SIZE", nullptr}, {"SMFREE_SPIN_US", nullptr},
                 {"LOCAL_WORLD_SIZE", nullptr}, {"SMFREE_RING_MEMORY_BYTES", nullptr},
-                {"SMFREE_EAGER_BYTES", nullptr}};
+                {"SMFREE_EAGER_BYTES", nullptr}, {"SMFREE_LOCAL_COPIES", nullptr}};
   const Config config = Config::fromEnv();
   CHECK(config.transport == Transport::kAuto);
-  CHECK(config.stagingBytes == 16u << 20);
+  // Copies within one GPU take no SM, so nothing is staged: its copy out would be one.
+  CHECK(config.localCopies == cuda::LocalCopies::kPeerGpu);
+  CHECK(config.stagingBytes == 0);
   CHECK(config.eagerBytes == 16u << 20);
   CHECK(config.ringMemoryBytes == 1ull << 30);
   CHECK(config.ipcCacheSize == 1024);
@@ -65,6 +67,16 @@ TEST(configReadsSpinAndLocalRanks, "config: SMFREE_SPIN_US and a LOCAL_WORLD_SIZ
     ScopedEnv env{{"LOCAL_WORLD_SIZE", "four"}};
     CHECK(!Config::fromEnv().localRanks);
   }
+}
+
+TEST(configStagesOnTheDriversCopies,
+     "config: staging is on by default only where copies within one GPU are the driver's") {
+  ScopedEnv env{{"SMFREE_STAGING_BYTES", nullptr}, {"SMFREE_LOCAL_COPIES", "driver"}};
+  CHECK(Config::fromEnv().stagingBytes == 16u << 20);
+  ScopedEnv host{{"SMFREE_LOCAL_COPIES", "host"}};
+  CHECK(Config::fromEnv().stagingBytes == 0);
+  ScopedEnv chosen{{"SMFREE_STAGING_BYTES", "8388608"}};
+  CHECK(Config::fromEnv().stagingBytes == 8u << 20);
 }
 
 TEST(configReadsItsChoices, "config: each transport and size is read as given") {

@@ -12,16 +12,16 @@ namespace smfree::engine::cuda {
 // The one place smfree queues copies of bytes (every channel, ops to the rank itself). A copy
 // between two GPUs' memory, or between a GPU's and pinned host memory, is one cuMemcpyAsync,
 // which the driver gives a copy engine. A copy within one GPU, which the CUDA 13.0 driver runs
-// as a kernel on SMs, is that too by default; with SMFREE_LOCAL_COPIES peer_gpu or host it goes
-// in two copy-engine hops through a Bounce (chunk by chunk past kMaxBounceBytes), both queued on
-// the same stream: stream order keeps the passes through the bounce apart, and no stream waits
-// for another.
+// as a kernel on SMs, goes in two copy-engine hops through a Bounce (chunk by chunk past
+// kMaxBounceBytes) on a peer GPU (SMFREE_LOCAL_COPIES=peer_gpu, the default) or in host memory,
+// both queued on the same stream: stream order keeps the passes through the bounce apart, and
+// no stream waits for another. SMFREE_LOCAL_COPIES=driver leaves it to the driver.
 
 constexpr int kHostMemory = -1;
 
-// How a copy within one GPU runs (SMFREE_LOCAL_COPIES): as the driver's copy, which CUDA 13.0
-// drivers run as a kernel on SMs; or in two copy-engine hops through a bounce on a peer GPU
-// (NVLink) or in pinned host memory (PCIe).
+// How a copy within one GPU runs (SMFREE_LOCAL_COPIES): in two copy-engine hops through a
+// bounce on a peer GPU (NVLink) or in pinned host memory (PCIe); or as the driver's copy, which
+// CUDA 13.0 drivers run as a kernel on SMs.
 enum class LocalCopies { kDriver, kPeerGpu, kHost };
 
 // Set once by the engine, before its first copy; kDriver until then.

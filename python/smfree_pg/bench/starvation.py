@@ -7,8 +7,9 @@ source; and two yardsticks, a bare copy to host memory (a copy engine: during) a
 queued the same way (after, or the GPU was not held). Every op's bytes are checked.
 
 Copies within one GPU (eager copies out of a slot, a captured send's copy into its slot, ops to
-the rank itself) run as SMFREE_LOCAL_COPIES says: by default as the driver's copies, which CUDA
-13.0 drivers run on SMs; run with peer_gpu or host to see every path end during the hold.
+the rank itself) run as SMFREE_LOCAL_COPIES says: by default in two copy-engine hops through a
+peer GPU; run with driver to see the paths that take the driver's copies, which CUDA 13.0
+drivers run on SMs, end only after the hold.
 
 `held_paths` is also what tests/cuda/test_zero_sm.py asserts on.
 """
