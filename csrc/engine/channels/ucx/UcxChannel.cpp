@@ -131,6 +131,17 @@ UcxChannel::UcxChannel(const UcxContext& context, UcxWorker& sendWorker, CudaOps
 UcxChannel::~UcxChannel() {
   endpoints_.clear();  // their flushes first: peers' sends to the receive lane may wait on them
   receiveLane_.stop();
+  applyCompletions();  // what the lane completed since the last flush
+  if (recvsInUcx()) {
+    // Such as a recv whose bytes were moving when its peer's link went silent: UCX tracks it
+    // on an endpoint of its own making, which neither a cancel nor a close reaches, and
+    // destroying the worker under it fails UCX's assertion (1.13). Where no TCP user timeout
+    // ends it, nothing does: the worker, and with it the context, is left to the process's end.
+    log(LogLevel::kWarn, "exit: recvs were still inside UCX, which can neither end nor cancel "
+        "them (their peer's link went silent, or the peer died, while their bytes moved); the "
+        "UCX worker that receives is left to the process's end");
+    static_cast<void>(lane_.release());
+  }
   std::lock_guard<std::mutex> lock(completionsMutex_);
   for (const Completion& completion : completions_) {
     std::unique_ptr<Transfer> owned(completion.transfer);

@@ -83,6 +83,10 @@ UcxContext::UcxContext(const Config& config) {
   checkUcx(ucp_init(&params, ucxConfig.get(), &context_), "ucp_init");
 }
 
-UcxContext::~UcxContext() { ucp_cleanup(context_); }
+UcxContext::~UcxContext() {
+  // Cleaning up under a live worker frees what the worker uses.
+  if (workers_.load() != 0) return;
+  ucp_cleanup(context_);
+}
 
 }  // namespace smfree::engine

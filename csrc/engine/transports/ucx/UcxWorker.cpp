@@ -2,7 +2,7 @@
 
 namespace smfree::engine {
 
-UcxWorker::UcxWorker(const UcxContext& context, Threads threads) {
+UcxWorker::UcxWorker(const UcxContext& context, Threads threads) : context_(context) {
   ucp_worker_params_t workerParams{};
   workerParams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
   workerParams.thread_mode =
@@ -21,9 +21,13 @@ UcxWorker::UcxWorker(const UcxContext& context, Threads threads) {
     ucp_worker_destroy(worker_);
     checkUcx(status, "worker address or event fd");
   }
+  context_.workerCreated();
 }
 
-UcxWorker::~UcxWorker() { ucp_worker_destroy(worker_); }
+UcxWorker::~UcxWorker() {
+  ucp_worker_destroy(worker_);
+  context_.workerDestroyed();
+}
 
 bool UcxWorker::arm() {
   const ucs_status_t status = ucp_worker_arm(worker_);

@@ -31,6 +31,7 @@ class UcxWorker {
   void signal() { ucp_worker_signal(worker_); }
 
  private:
+  const UcxContext& context_;
   ucp_worker_h worker_ = nullptr;
   int eventFd_ = -1;
   std::vector<uint8_t> address_;
