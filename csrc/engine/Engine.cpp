@@ -71,18 +71,11 @@ Engine::Engine(Private)
                                           std::move(data)});
       },
       [this](const std::string& key, std::vector<uint64_t> ids) {
-        Peer* peer = peers_->find(key);
-        if (peer && !peer->failed) {
-          peers_->send(*peer, MemoryReleased{local_.processKey, std::move(ids)});
-        }
+        sendToLive(key, MemoryReleased{local_.processKey, std::move(ids)});
       });
   auto captured = std::make_unique<CapturedChannel>(
       *cudaOps_, thread_, failures_, onDone, [this](const std::string& key, std::string data) {
-        Peer* peer = peers_->find(key);
-        if (peer && !peer->failed) {
-          peers_->send(*peer, ChannelNotice{local_.processKey, ChannelKind::kCaptured,
-                                            std::move(data)});
-        }
+        sendToLive(key, ChannelNotice{local_.processKey, ChannelKind::kCaptured, std::move(data)});
       });
   channels_ = std::make_unique<Channels>(std::move(copyEngine), std::move(captured),
                                          std::move(ucx));
@@ -255,6 +248,11 @@ Peer* Engine::senderOf(const ControlMessage& message) {
         }
       },
       message);
+}
+
+void Engine::sendToLive(const std::string& key, const ControlMessage& message) {
+  Peer* peer = peers_->find(key);
+  if (peer && !peer->failed) peers_->send(*peer, message);
 }
 
 void Engine::onPeerFailure(Peer& peer, const std::string& why) {

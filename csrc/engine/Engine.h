@@ -84,6 +84,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   void onControlMessage(const void* data, size_t length);
   // The peer a control message came from, if it is known here.
   Peer* senderOf(const ControlMessage& message);
+  // Sends `message` to the peer with process key `key`, unless it is unknown or failed.
+  void sendToLive(const std::string& key, const ControlMessage& message);
   void onPeerFailure(Peer& peer, const std::string& why);
 
   const Config config_;

@@ -137,11 +137,12 @@ bool RemoteFlagSegment::isSet(const Flag& flag) const {
 void RemoteFlagSegment::set(const Flag& flag) const { raise(words_ + flag.index, flag.value); }
 
 void* RemoteFlagSegment::cudaAddress(uint32_t index) {
-  {
+  // Read without the lock once registered: eager sends ask at every post.
+  if (!registered_.load(std::memory_order_acquire)) {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (!registered_) {
+    if (!registered_.load(std::memory_order_relaxed)) {
       registerHost(words_);
-      registered_ = true;
+      registered_.store(true, std::memory_order_release);
     }
   }
   // Unified addressing: the host address of registered memory is valid on the device.

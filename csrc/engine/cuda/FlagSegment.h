@@ -95,8 +95,8 @@ class RemoteFlagSegment {
 
  private:
   volatile uint32_t* words_ = nullptr;
-  std::mutex mutex_;
-  bool registered_ = false;
+  std::mutex mutex_;  // held while registering
+  std::atomic<bool> registered_{false};
 };
 
 bool reached(uint32_t word, uint32_t value);

@@ -69,20 +69,10 @@ CudaFence CapturedChannel::prepare(Op& op, const PostOptions& options) {
 }
 
 void CapturedChannel::postRecv(CapturedOp& recv, const Op& op, const PostOptions& options) {
+  if (!options.placeKnown) return;  // no send can tell that it meets this recv: it takes a slot
   const Buffer& buffer = recv.buffer;
-  recv.ready = std::make_unique<cuda::OwnedFlag>(flags_);
-  recv.arrived = std::make_unique<cuda::OwnedFlag>(flags_);
-  flags_.store(recv.ready->get(), 0);
-  flags_.store(recv.arrived->get(), 0);
-  // Set at every replay once the graph has reached the recv: a send that copies straight into
-  // the buffer waits for it, since the graph may use the buffer before.
-  const CUstream chain = chains_.join(recv.captureId, buffer.device, *recv.posted);
-  cuda::writeWord(chain, flags_.cudaAddress(recv.ready->get().index), 1,
-                  "cuStreamWriteValue32 (captured recv: its buffer is free)");
-  if (!options.placeKnown) return;  // no send can tell that it meets this recv
-  PostedRecv notice{op.groupId,     op.request.tag,    op.seq,
-                    buffer.bytes,   op.request.desc.dtype, recv.ready->get(),
-                    recv.arrived->get(), {}};
+  PostedRecv notice{op.groupId, op.request.tag, op.seq, buffer.bytes, op.request.desc.dtype,
+                    {}, {}, {}};
   try {
     std::lock_guard<std::mutex> lock(exportMutex_);
     notice.buffer = exporter_.exportBuffer(buffer.data, buffer.bytes, buffer.device,
@@ -93,6 +83,17 @@ void CapturedChannel::postRecv(CapturedOp& recv, const Op& op, const PostOptions
         "slot (", reasonOf(error), ")");
     return;
   }
+  recv.ready = std::make_unique<cuda::OwnedFlag>(flags_);
+  recv.arrived = std::make_unique<cuda::OwnedFlag>(flags_);
+  flags_.store(recv.ready->get(), 0);
+  flags_.store(recv.arrived->get(), 0);
+  notice.ready = recv.ready->get();
+  notice.arrived = recv.arrived->get();
+  // Set at every replay once the graph has reached the recv: a send that copies straight into
+  // the buffer waits for it, since the graph may use the buffer before.
+  const CUstream chain = chains_.join(recv.captureId, buffer.device, *recv.posted);
+  cuda::writeWord(chain, flags_.cudaAddress(recv.ready->get().index), 1,
+                  "cuStreamWriteValue32 (captured recv: its buffer is free)");
   std::string data;
   notice.appendTo(data);
   std::lock_guard<std::mutex> lock(outboxMutex_);
@@ -145,8 +146,8 @@ void CapturedChannel::queueThroughSlot(CapturedOp& send, CUstream chain) {
   const int slotDevice = bounceDevice >= 0 ? bounceDevice : buffer.device;
   send.slot = std::make_unique<cuda::DeviceMemory>(slotDevice, buffer.bytes);
   log(LogLevel::kInfo, send.what, ": a slot of ", buffer.bytes, " B on cuda:", slotDevice,
-      " for the life of its graph (its recv was not posted ", kDirectPatience.count() / 1000,
-      " ms after it)");
+      " for the life of its graph (no recv of its size was posted within ",
+      kDirectPatience.count() / 1000, " ms of it)");
   send.full = std::make_unique<cuda::OwnedFlag>(flags_);
   send.empty = std::make_unique<cuda::OwnedFlag>(flags_);
   flags_.store(send.full->get(), 0);
