@@ -59,9 +59,15 @@ PYBIND11_MODULE(_C, module) {
       .def("dump_pending", &smfree::SmFreeBackend::dumpPending,
            py::call_guard<py::gil_scoped_release>())
       .def("_stats", &smfree::SmFreeBackend::stats, py::call_guard<py::gil_scoped_release>(),
-           "Engine-wide counters: live_ops, ipc_mappings, ipc_exports, flag_words_in_use.");
+           "Engine-wide counters (live_ops, ipc_mappings, ipc_exports, flag_words_in_use, ...) and "
+           "the group's collectives_on_copy_engines.");
 
   module.def("_doctor", &doctorReport, "UCX and GPU facts for smfree_pg.doctor.");
+  module.def("_collectives_on_copy_engines", &smfree::collectivesOnCopyEngines,
+             "The collectives SMFREE_COLLECTIVES runs on the copy engines (on CUDA tensors of "
+             "ranks of one host).");
+  module.def("_collective_min_bytes", &smfree::collectiveMinBytes,
+             "SMFREE_COLLECTIVE_MIN_BYTES: smaller pieces go to NCCL.");
 
   module.def("_stop_engine", &smfree::engine::Engine::stopProcessEngine,
              py::call_guard<py::gil_scoped_release>(),

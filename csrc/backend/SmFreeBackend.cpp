@@ -11,9 +11,16 @@
 #include "backend/TensorChecks.h"
 #include "backend/WithoutGil.h"
 #include "engine/Error.h"
+#include "engine/Log.h"
 
 namespace smfree {
 namespace {
+
+int64_t totalBytes(const std::vector<at::Tensor>& tensors) {
+  int64_t total = 0;
+  for (const at::Tensor& tensor : tensors) total += static_cast<int64_t>(tensor.nbytes());
+  return total;
+}
 
 const char* opName(engine::OpKind kind, int peer) {
   if (kind == engine::OpKind::kSend) return "send";
@@ -30,6 +37,9 @@ SmFreeBackend::SmFreeBackend(const c10::intrusive_ptr<c10d::Store>& store, int r
       groupName_(std::make_shared<const std::string>(groupName)),
       selfExchange_(std::make_unique<SelfExchange>(groupName)),
       innerFactory_(std::move(innerFactory)) {
+  // Bad collective settings fail here, not at a first collective.
+  collectivesOnCopyEngines();
+  collectiveMinBytes();
   try {
     group_ = engine::Engine::acquire()->joinGroup(engine::GroupConfig{groupName, rank, size},
                                                   std::make_shared<StoreAdapter>(store), timeout);
@@ -121,10 +131,12 @@ c10::intrusive_ptr<c10d::Work> SmFreeBackend::pointToPoint(engine::OpKind kind,
 SmFreeBackend::PreparedOp SmFreeBackend::prepare(engine::OpKind kind,
                                                  std::vector<at::Tensor>& tensors, int peer,
                                                  int tag,
-                                                 const c10::intrusive_ptr<SmFreeWork>& batch) {
-  const char* op = opName(kind, peer);
+                                                 const c10::intrusive_ptr<SmFreeWork>& batch,
+                                                 const char* collective) {
+  const char* op = collective ? collective : opName(kind, peer);
   checkOpen(op);
   at::Tensor& tensor = checkP2PTensor(tensors, op);
+  if (!collective) checkTag(tag, op);
   const bool onCuda = tensor.device().is_cuda();
   if (onCuda) {
     bindDevice(tensor, op);
@@ -132,7 +144,8 @@ SmFreeBackend::PreparedOp SmFreeBackend::prepare(engine::OpKind kind,
   if (peer != engine::kAnySource) {
     checkPeer(peer, getSize(), op);
   }
-  WorkLabel label{kind, getRank(), peer, tag, static_cast<int64_t>(tensor.nbytes()), groupName_};
+  WorkLabel label{kind,       getRank(), peer, tag, static_cast<int64_t>(tensor.nbytes()),
+                  groupName_, collective};
   const auto call = [&] { return label.describe(); };
   const bool toSelf = peer == getRank();
   // Arguments are checked first, so a bad call gets the same error whatever its peer's state.
@@ -263,6 +276,11 @@ c10::intrusive_ptr<c10d::Work> SmFreeBackend::endCoalescing() {
     batch = std::move(*batch_);
     batch_.reset();
   }
+  postBatch(batch);
+  return batch.work;
+}
+
+void SmFreeBackend::postBatch(Batch& batch) {
   // Its recvs first: a captured send posted after its recv copies straight into the recv's
   // buffer (CapturedChannel.h), and a batch's ops have no order among themselves.
   std::stable_partition(batch.ops.begin(), batch.ops.end(), [](const PreparedOp& op) {
@@ -290,6 +308,77 @@ c10::intrusive_ptr<c10d::Work> SmFreeBackend::endCoalescing() {
     }
   }
   batch.work->seal();
+}
+
+bool SmFreeBackend::onCopyEngines(Collective collective, const char* op,
+                                  const at::Tensor& tensor, std::optional<int64_t> pieceBytes) {
+  if (!tensor.defined() || !tensor.is_cuda() || !smfree::onCopyEngines(collective)) return false;
+  if (pieceBytes && *pieceBytes < collectiveMinBytes()) return false;
+  checkOpen(op);
+  try {
+    group_->connectAll();
+  } catch (const engine::Error& error) {
+    C10_THROW_ERROR(DistBackendError, c10::str("smfree: ", op, " on group '",
+                                               group_->config().name, "' cannot connect: ",
+                                               engine::reasonOf(error)));
+  }
+  for (int peer = 0; peer < getSize(); ++peer) {
+    if (peer != getRank() && group_->cudaChannel(peer) != engine::ChannelKind::kCopyEngine) {
+      engine::logOnce(c10::str("collectives-off/", group_->config().name),
+                      c10::str("group '", group_->config().name, "': its collectives go to NCCL, "
+                               "since rank ", peer, " is not reached through copy engines"));
+      return false;
+    }
+  }
+  engine::logOnce("collectives-on",
+                  c10::str("collectives on the copy engines (SMFREE_COLLECTIVES): ",
+                           c10::Join(",", collectivesOnCopyEngines()), ", from pieces of ",
+                           collectiveMinBytes(), " B (SMFREE_COLLECTIVE_MIN_BYTES); smaller ones, "
+                           "the others and reductions go to NCCL"));
+  return true;
+}
+
+c10::intrusive_ptr<c10d::Work> SmFreeBackend::runOnCopyEngines(CollectivePlan plan) {
+  const at::Tensor& sample =
+      plan.outputs.empty() ? plan.sends.front().tensor : plan.outputs.front();
+  bindDevice(sample, plan.op);
+  copyEngineCollectives_.fetch_add(1, std::memory_order_relaxed);
+  WorkLabel label{engine::OpKind::kSend, getRank(), engine::kAnySource, engine::kCollectiveTag,
+                  plan.bytes(), groupName_, plan.op};
+  Batch batch;
+  batch.work = c10::make_intrusive<SmFreeWork>(plan.type, label, plan.outputs);
+  // Inside a coalescing block its ops join the block's, posted when the block ends.
+  c10::intrusive_ptr<SmFreeWork> block;
+  {
+    std::lock_guard<std::mutex> lock(coalescingMutex_);
+    if (batch_) block = batch_->work;
+  }
+  const c10::intrusive_ptr<SmFreeWork>& reportTo = block ? block : batch.work;
+  try {
+    for (auto* pieces : {&plan.recvs, &plan.sends}) {
+      const bool isSend = pieces == &plan.sends;
+      for (Piece& piece : *pieces) {
+        std::vector<at::Tensor> tensors{piece.tensor};
+        batch.ops.push_back(prepare(isSend ? engine::OpKind::kSend : engine::OpKind::kRecv,
+                                    tensors, piece.peer, engine::kCollectiveTag, reportTo,
+                                    plan.op));
+      }
+    }
+  } catch (...) {
+    if (block) {
+      std::lock_guard<std::mutex> lock(coalescingMutex_);
+      batch_.reset();  // none of the block's ops was posted: it can start again
+    }
+    throw;
+  }
+  if (block) {
+    std::lock_guard<std::mutex> lock(coalescingMutex_);
+    TORCH_CHECK(batch_ && batch_->work == block,
+                "smfree: the coalescing block ended while ", plan.op, " was being added");
+    for (PreparedOp& op : batch.ops) batch_->ops.push_back(std::move(op));
+    return block;
+  }
+  postBatch(batch);
   return batch.work;
 }
 
@@ -311,6 +400,12 @@ c10d::Backend& SmFreeBackend::innerFor(const std::vector<at::Tensor>& tensors) {
 c10::intrusive_ptr<c10d::Work> SmFreeBackend::broadcast(std::vector<at::Tensor>& tensors,
                                                         const c10d::BroadcastOptions& opts) {
   checkOpen("broadcast");
+  if (!tensors.empty() && onCopyEngines(Collective::kBroadcast, "broadcast", tensors[0],
+                                         tensors[0].nbytes())) {
+    TORCH_CHECK_VALUE(opts.rootTensor == 0, "smfree: broadcast: root tensor ", opts.rootTensor,
+                      " of a single tensor");
+    return runOnCopyEngines(planBroadcast(tensors, opts.rootRank, getRank(), getSize()));
+  }
   return innerFor(tensors).broadcast(tensors, opts);
 }
 
@@ -336,6 +431,10 @@ c10::intrusive_ptr<c10d::Work> SmFreeBackend::allgather(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
   checkOpen("allgather");
+  if (!inputs.empty() && onCopyEngines(Collective::kAllGather, "all_gather", inputs[0],
+                                         inputs[0].nbytes())) {
+    return runOnCopyEngines(planAllGather(outputs, inputs, getRank(), getSize()));
+  }
   return innerFor(inputs).allgather(outputs, inputs, opts);
 }
 
@@ -343,6 +442,9 @@ c10::intrusive_ptr<c10d::Work> SmFreeBackend::_allgather_base(at::Tensor& output
                                                               at::Tensor& input,
                                                               const c10d::AllgatherOptions& opts) {
   checkOpen("allgather");
+  if (onCopyEngines(Collective::kAllGather, "all_gather_into_tensor", input, input.nbytes())) {
+    return runOnCopyEngines(planAllGatherIntoTensor(output, input, getRank(), getSize()));
+  }
   return inner(input.device().type())._allgather_base(output, input, opts);
 }
 
@@ -357,6 +459,12 @@ c10::intrusive_ptr<c10d::Work> SmFreeBackend::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
   checkOpen("allgather_into_tensor_coalesced");
+  if (!inputs.empty() &&
+      onCopyEngines(Collective::kAllGather, "all_gather_into_tensor (coalesced)", inputs[0],
+                    totalBytes(inputs))) {
+    return runOnCopyEngines(
+        planAllGatherIntoTensorCoalesced(outputs, inputs, getRank(), getSize()));
+  }
   return innerFor(inputs).allgather_into_tensor_coalesced(outputs, inputs, opts);
 }
 
@@ -364,6 +472,9 @@ c10::intrusive_ptr<c10d::Work> SmFreeBackend::gather(std::vector<std::vector<at:
                                                      std::vector<at::Tensor>& inputs,
                                                      const c10d::GatherOptions& opts) {
   checkOpen("gather");
+  if (!inputs.empty() && onCopyEngines(Collective::kGather, "gather", inputs[0], inputs[0].nbytes())) {
+    return runOnCopyEngines(planGather(outputs, inputs, opts.rootRank, getRank(), getSize()));
+  }
   return innerFor(inputs).gather(outputs, inputs, opts);
 }
 
@@ -371,6 +482,10 @@ c10::intrusive_ptr<c10d::Work> SmFreeBackend::scatter(std::vector<at::Tensor>& o
                                                       std::vector<std::vector<at::Tensor>>& inputs,
                                                       const c10d::ScatterOptions& opts) {
   checkOpen("scatter");
+  if (!outputs.empty() && onCopyEngines(Collective::kScatter, "scatter", outputs[0],
+                                         outputs[0].nbytes())) {
+    return runOnCopyEngines(planScatter(outputs, inputs, opts.rootRank, getRank(), getSize()));
+  }
   return innerFor(outputs).scatter(outputs, inputs, opts);
 }
 
@@ -398,6 +513,13 @@ c10::intrusive_ptr<c10d::Work> SmFreeBackend::alltoall_base(
     at::Tensor& output, at::Tensor& input, std::vector<int64_t>& outputSplitSizes,
     std::vector<int64_t>& inputSplitSizes, const c10d::AllToAllOptions& opts) {
   checkOpen("alltoall");
+  // Uneven splits differ from rank to rank: no size all ranks see alike to go by.
+  const bool even = outputSplitSizes.empty() && inputSplitSizes.empty();
+  if (onCopyEngines(Collective::kAllToAll, "all_to_all_single", input,
+                    even ? std::optional<int64_t>(input.nbytes() / getSize()) : std::nullopt)) {
+    return runOnCopyEngines(planAllToAllSingle(output, input, outputSplitSizes, inputSplitSizes,
+                                               getRank(), getSize()));
+  }
   return inner(input.device().type())
       .alltoall_base(output, input, outputSplitSizes, inputSplitSizes, opts);
 }
@@ -406,6 +528,9 @@ c10::intrusive_ptr<c10d::Work> SmFreeBackend::alltoall(std::vector<at::Tensor>& 
                                                        std::vector<at::Tensor>& inputs,
                                                        const c10d::AllToAllOptions& opts) {
   checkOpen("alltoall");
+  if (!inputs.empty() && onCopyEngines(Collective::kAllToAll, "all_to_all", inputs[0], std::nullopt)) {
+    return runOnCopyEngines(planAllToAll(outputs, inputs, getRank(), getSize()));
+  }
   return innerFor(inputs).alltoall(outputs, inputs, opts);
 }
 
@@ -452,7 +577,9 @@ std::string SmFreeBackend::dumpPending() {
 
 std::map<std::string, int64_t> SmFreeBackend::stats() {
   try {
-    return group_->stats();
+    std::map<std::string, int64_t> stats = group_->stats();
+    stats["collectives_on_copy_engines"] = copyEngineCollectives_.load();
+    return stats;
   } catch (const engine::Error& error) {
     C10_THROW_ERROR(DistBackendError, error.what());
   }

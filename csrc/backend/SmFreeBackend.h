@@ -12,14 +12,16 @@
 #include <string>
 #include <vector>
 
+#include "backend/Collectives.h"
 #include "backend/SelfExchange.h"
 #include "backend/SmFreeWork.h"
 #include "engine/Group.h"
 
 namespace smfree {
 
-// torch.distributed backend "smfree": point-to-point ops go to the smfree engine;
-// collectives go to a wrapped backend per device type (Gloo for CPU, NCCL for CUDA),
+// torch.distributed backend "smfree": point-to-point ops go to the smfree engine, and so do the
+// collectives SMFREE_COLLECTIVES names, on CUDA tensors of ranks of one host (Collectives.h);
+// other collectives go to a wrapped backend per device type (Gloo for CPU, NCCL for CUDA),
 // built on first use by the factory the Python side provides.
 class SmFreeBackend final : public c10d::Backend {
  public:
@@ -45,7 +47,7 @@ class SmFreeBackend final : public c10d::Backend {
   void startCoalescing() override;
   c10::intrusive_ptr<c10d::Work> endCoalescing() override;
 
-  // Collectives, forwarded.
+  // Collectives: on the copy engines (Collectives.h) or forwarded.
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
                                            const c10d::BroadcastOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
@@ -113,11 +115,21 @@ class SmFreeBackend final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> pointToPoint(engine::OpKind kind, std::vector<at::Tensor>& tensors,
                                               int peer, int tag);
   // Checks the call and connects to the peer; `batch`, if set, will also report the op.
+  // `collective`: the collective the op is a piece of (its tag is then kCollectiveTag).
   PreparedOp prepare(engine::OpKind kind, std::vector<at::Tensor>& tensors, int peer, int tag,
-                     const c10::intrusive_ptr<SmFreeWork>& batch);
+                     const c10::intrusive_ptr<SmFreeWork>& batch,
+                     const char* collective = nullptr);
   PreparedOp prepareSelf(const WorkLabel& label, const at::Tensor& tensor,
                          const c10::intrusive_ptr<SmFreeWork>& batch);
   void post(PreparedOp& op, const c10::intrusive_ptr<SmFreeWork>& batch);
+  // Posts a batch's ops, its recvs first, and seals its Work.
+  void postBatch(Batch& batch);
+  // Whether this call of a collective runs on the copy engines (Collectives.h): SMFREE_COLLECTIVES
+  // names it, its tensors are CUDA tensors, every other rank is reached through copy engines,
+  // and `pieceBytes`, where every rank sees the same, is at least SMFREE_COLLECTIVE_MIN_BYTES.
+  bool onCopyEngines(Collective collective, const char* op, const at::Tensor& tensor,
+                     std::optional<int64_t> pieceBytes);
+  c10::intrusive_ptr<c10d::Work> runOnCopyEngines(CollectivePlan plan);
   void checkOpen(const char* op) const;
   c10d::Backend& inner(c10::DeviceType deviceType);
   c10d::Backend& innerFor(const std::vector<at::Tensor>& tensors);
@@ -139,6 +151,7 @@ class SmFreeBackend final : public c10d::Backend {
   std::atomic<const char*> stopped_{nullptr};  // "aborted" or "shut down" once stopped
   std::atomic<int> device_{-1};  // the CUDA device this rank uses in the group, once known
   std::atomic<int> p2pSeq_{0};  // numbers the point-to-point ops in profiler traces
+  std::atomic<int64_t> copyEngineCollectives_{0};  // calls run on the copy engines (stats())
 };
 
 }  // namespace smfree

@@ -1,6 +1,8 @@
 #include "backend/SmFreeWork.h"
 
 #include <algorithm>
+#include <map>
+#include <string_view>
 
 #include <ATen/ThreadLocalState.h>
 #include <ATen/record_function.h>
@@ -17,12 +19,17 @@ std::string WorkLabel::describe() const {
   if (bytes < 0) {
     return "coalesced batch";
   }
+  if (isCollective()) {
+    return c10::str(collective, " on rank ", rank, " (group '", *group, "', ", bytes,
+                    " B in and out)");
+  }
   const bool isSend = kind == engine::OpKind::kSend;
   const std::string partner = peer == engine::kAnySource
                                   ? std::string("from any rank")
                                   : c10::str(isSend ? "to rank " : "from rank ", peer);
+  const std::string line = collective ? std::string(collective) : c10::str("tag ", tag);
   return c10::str(isSend ? "send" : "recv", " on rank ", rank, " ", partner, " (group '", *group,
-                  "', tag ", tag, ", ", bytes, " B)");
+                  "', ", line, ", ", bytes, " B)");
 }
 
 SmFreeWork::SmFreeWork(c10d::OpType type, WorkLabel label, std::vector<at::Tensor> tensors)
@@ -31,10 +38,25 @@ SmFreeWork::SmFreeWork(c10d::OpType type, WorkLabel label, std::vector<at::Tenso
       tensors_(std::move(tensors)),
       future_(c10::make_intrusive<c10::ivalue::Future>(
           c10::ListType::create(c10::TensorType::get()))) {
-  if (label_.bytes >= 0) {
+  // A collective's pieces are inside its range.
+  if (label_.bytes >= 0 && (!label_.collective || label_.isCollective())) {
     startProfilerRange();
   }
 }
+
+namespace {
+
+// "smfree:all_gather_into_tensor": kept for the process's life, as a range holds only a view
+// of its name.
+std::string_view rangeName(const char* collective) {
+  static std::mutex mutex;
+  static std::map<std::string, std::string> names;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = names.try_emplace(collective, c10::str("smfree:", collective)).first;
+  return it->second;
+}
+
+}  // namespace
 
 // As ProcessGroupGloo and ProcessGroupNCCL name their Works ("gloo:send"), an async range from
 // the call to the op's end, so a trace shows the transfer beside the compute it overlaps. Its
@@ -46,9 +68,14 @@ void SmFreeWork::startProfilerRange() {
     return;
   }
   range->_setAsync();
-  const std::vector<c10::IValue> inputs{tensors_.front(), static_cast<int64_t>(label_.peer),
-                                        label_.bytes};
-  range->before(label_.kind == engine::OpKind::kSend ? "smfree:send" : "smfree:recv", &inputs);
+  if (label_.isCollective()) {
+    const std::vector<c10::IValue> inputs{c10::IValue(tensors_), label_.bytes};
+    range->before(rangeName(label_.collective), &inputs);
+  } else {
+    const std::vector<c10::IValue> inputs{tensors_.front(), static_cast<int64_t>(label_.peer),
+                                          label_.bytes};
+    range->before(label_.kind == engine::OpKind::kSend ? "smfree:send" : "smfree:recv", &inputs);
+  }
   recordFunctionEndCallback_ = at::wrapPropagateTLSState([range] { range->end(); });
 }
 
@@ -87,7 +114,7 @@ void SmFreeWork::onOpDone(const engine::Status& status, int source, bool cpuWait
     source_ = source;
   }
   if (!status.ok() && !error_) {
-    error_ = makeOpError(status);
+    error_ = makeOpError(status, label_.isCollective() ? label_.describe() : std::string());
   }
   if (!status.ok() && waitReturned_ && !fences_.empty()) {
     // Only ops with a stream fence let wait() return early, so fences_ names the group. Before

@@ -23,9 +23,14 @@ struct WorkLabel {
   int tag = 0;
   int64_t bytes = -1;  // -1: a coalesced batch
   std::shared_ptr<const std::string> group;
+  // The collective this Work is (peer kAnySource), or is a piece of; null for P2P.
+  const char* collective = nullptr;
 
-  // "recv on rank 0 from rank 2 (group 'pp', tag 0, 64 B)", or "coalesced batch".
+  // "recv on rank 0 from rank 2 (group 'pp', tag 0, 64 B)", "send on rank 0 to rank 1 (group
+  // 'dp', all_gather_into_tensor, 64 B)", "all_gather_into_tensor on rank 0 (group 'dp',
+  // 256 B in and out)" or "coalesced batch".
   std::string describe() const;
+  bool isCollective() const { return collective && peer == engine::kAnySource; }
 };
 
 // The Work of one op, or of a coalesced batch. Ops report into it from the engine's

@@ -25,6 +25,11 @@ void checkPeer(int peer, int size, const char* op) {
                     " (group of size ", size, ")");
 }
 
+void checkTag(int tag, const char* op) {
+  TORCH_CHECK_VALUE(tag >= 0, "smfree: ", op, " with tag ", tag,
+                    ": tags below 0 are smfree's own (its collectives' messages)");
+}
+
 namespace {
 
 // torch's Python names, as users see them in messages.

@@ -31,6 +31,9 @@ class Group {
   // Makes sure the endpoint to `rank` exists (first use: a store lookup). Throws on failure.
   void connect(int rank);
   void connectAll();
+  // Which channel an uncaptured CUDA op with `peer` (a rank or kAnySource, once connected)
+  // moves on.
+  ChannelKind cudaChannel(int peer) const;
   // At a CUDA op's call: sets request.capture to the CUDA graph capture its stream takes part
   // in, if any. Throws Error if the op cannot be captured (a recv from any source, a peer on
   // another host, SMFREE_TRANSPORT=ucx) or the stream's capture is unusable.
@@ -80,8 +83,6 @@ class Group {
   Lines& linesOf(const Op& op) {
     return op.channel == ChannelKind::kCaptured ? capturedLines_ : lines_;
   }
-  // Which channel a CUDA op with `peer` (a rank or kAnySource) moves on.
-  ChannelKind cudaChannel(int peer) const;
   // Polls the fence's channel until the op's copies are queued; false if `deadline` comes
   // first.
   bool pollQueued(const CudaFence& fence, Clock::time_point deadline);

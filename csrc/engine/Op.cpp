@@ -13,8 +13,9 @@ std::string Op::describe() const {
                                              : concat("from rank ", request.peer));
   return concat(channel == ChannelKind::kCaptured ? "captured " : "", isSend() ? "send" : "recv",
                 " on rank ", group.rank, " ", partnerText,
-                " (group '", group.name, "', tag ", request.tag, ", ", request.desc.describe(),
-                ")");
+                " (group '", group.name, "', ",
+                isCollective() ? std::string("a collective") : concat("tag ", request.tag), ", ",
+                request.desc.describe(), ")");
 }
 
 uint64_t groupIdOf(const std::string& name) {

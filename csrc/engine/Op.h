@@ -17,6 +17,11 @@ namespace smfree::engine {
 using Clock = std::chrono::steady_clock;
 
 constexpr int kAnySource = -1;
+// The line the backend's collectives post their messages on; users' tags are 0 and up. All
+// ranks call a group's collectives in one order, so the n-th message of this line between two
+// ranks is the same collective's on both. Its peers post their halves at about the same time:
+// its messages go by rendezvous, one copy into the receiver's tensor, never through a slot.
+constexpr int kCollectiveTag = -1;
 
 enum class OpKind : uint8_t { kSend, kRecv };
 enum class MemoryKind : uint8_t { kHost, kCuda };
@@ -85,6 +90,7 @@ struct Op {
   std::unique_ptr<OpChannelState> channelState;
 
   bool isSend() const { return request.kind == OpKind::kSend; }
+  bool isCollective() const { return request.tag == kCollectiveTag; }
   bool finished() const { return state >= OpState::kEnded; }
   // The rank this op talks to: its requested peer, or for any-source recvs the matched one.
   int partner() const { return request.peer != kAnySource ? request.peer : source; }

@@ -33,7 +33,9 @@ const char* channelName(ChannelKind kind) {
 
 std::string mismatchMessage(const GroupConfig& group, const ReadyToSend& send, const Op& recv) {
   const char* what = send.desc.device != recv.request.desc.device ? "device" : "size or dtype";
-  return concat(what, " mismatch in group '", group.name, "', tag ", send.tag, ": rank ",
+  const std::string line =
+      send.tag == kCollectiveTag ? std::string("a collective") : concat("tag ", send.tag);
+  return concat(what, " mismatch in group '", group.name, "', ", line, ": rank ",
                 send.source, " sends ", send.desc.describe(), " to rank ", group.rank,
                 ", which receives into ", recv.request.desc.describe());
 }

@@ -34,6 +34,11 @@ def collect() -> dict:
     report["settings"] = {key: value for key, value in sorted(os.environ.items())
                           if key.startswith(SETTINGS_PREFIXES)}
     report["ptrace_scope"] = _read("/proc/sys/kernel/yama/ptrace_scope")
+    try:
+        report["collectives_on_copy_engines"] = _C._collectives_on_copy_engines()
+        report["collective_min_bytes"] = _C._collective_min_bytes()
+    except ValueError as error:
+        report["collectives_on_copy_engines"] = {"error": str(error)}
     return report
 
 
@@ -84,6 +89,8 @@ def render(report: dict) -> str:
             lines += [f"    {name}: {value}" for name, value in device["attributes"].items()]
             peers = [str(j) for j, ok in enumerate(device["peer_access"]) if ok]
             lines.append(f"    peer access to: {', '.join(peers) if peers else 'none'}")
+    lines.append(_collectives(report["collectives_on_copy_engines"],
+                              report.get("collective_min_bytes")))
     connections = report["settings"].get("CUDA_DEVICE_MAX_CONNECTIONS")
     if connections is not None:
         lines.append(f"CUDA_DEVICE_MAX_CONNECTIONS={connections}: streams share hardware queues; "
@@ -92,6 +99,16 @@ def render(report: dict) -> str:
     lines.append("settings: " + (", ".join(f"{k}={v}" for k, v in report["settings"].items())
                                  or "none"))
     return "\n".join(lines)
+
+
+def _collectives(names, min_bytes: int | None) -> str:
+    if isinstance(names, dict):
+        return f"collectives: {names['error']}"
+    if not names:
+        return "collectives: all go to NCCL (SMFREE_COLLECTIVES=off)"
+    return (f"collectives on the copy engines, for CUDA tensors of ranks of one host: "
+            f"{', '.join(names)} (SMFREE_COLLECTIVES), from pieces of {min_bytes} B "
+            "(SMFREE_COLLECTIVE_MIN_BYTES); smaller ones, reductions and the rest go to NCCL")
 
 
 def _other_hosts(ucx: dict) -> str:

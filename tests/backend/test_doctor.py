@@ -60,3 +60,17 @@ def test_text_report_says_whether_a_cut_link_is_noticed_after_the_link_timeout()
         assert ucx["tcp_user_timeout"] is False
     said = "this UCX has no TCP user timeout" in doctor().stdout
     assert said == (not ucx["tcp_user_timeout"])
+
+
+def test_reports_which_collectives_run_on_the_copy_engines():
+    report = json.loads(doctor("--json", env={"SMFREE_COLLECTIVES": "all_to_all,all_gather"})
+                        .stdout)
+    assert report["collectives_on_copy_engines"] == ["all_gather", "all_to_all"]
+    result = doctor(env={"SMFREE_COLLECTIVE_MIN_BYTES": "4096"})
+    assert ("collectives on the copy engines, for CUDA tensors of ranks of one host: all_gather "
+            "(SMFREE_COLLECTIVES), from pieces of 4096 B") in result.stdout
+    result = doctor(env={"SMFREE_COLLECTIVES": "off"})
+    assert "collectives: all go to NCCL (SMFREE_COLLECTIVES=off)" in result.stdout
+    result = doctor(env={"SMFREE_COLLECTIVES": "reduce"})
+    assert "collectives: smfree: SMFREE_COLLECTIVES='reduce': 'reduce' is not one of" in \
+        result.stdout

@@ -25,6 +25,8 @@ def _bad_arguments(rank, world):
         "two tensors": (lambda: backend.send([t, t], 1 - rank, 0), r"exactly one tensor, got 2"),
         "meta device": (lambda: backend.send([torch.zeros(4, device="meta")], 1 - rank, 0),
                         r"meta tensor is not supported"),
+        "negative tag": (lambda: backend.send([t], 1 - rank, -1),
+                         r"tag -1: tags below 0 are smfree's own"),
     }
     for name, (call, message) in checks.items():
         with pytest.raises(ValueError, match=message):
@@ -42,7 +44,7 @@ def _bad_arguments(rank, world):
 
 def test_bad_arguments_raise_value_errors_and_lose_nothing():
     names = run_ranks(_bad_arguments, 2)
-    assert names[0] == names[1] and len(names[0]) == 6
+    assert names[0] == names[1] and len(names[0]) == 7
 
 
 def _use_after_stop(rank, world, how):
@@ -84,6 +86,18 @@ def test_unknown_smfree_transport_is_refused_naming_the_choices():
     with pytest.raises(AssertionError,
                        match=r"SMFREE_TRANSPORT='nvlink' is not one of auto, copy_engine, ucx"):
         run_ranks(_exchange_one, 2, env={"SMFREE_TRANSPORT": "nvlink"})
+
+
+def test_unknown_smfree_collectives_are_refused_at_init_naming_the_choices():
+    with pytest.raises(AssertionError, match=r"SMFREE_COLLECTIVES='all_gather,allreduce': "
+                                             r"'allreduce' is not one of all_gather, all_to_all"):
+        run_ranks(_exchange_one, 2, env={"SMFREE_COLLECTIVES": "all_gather,allreduce"})
+
+
+def test_a_collectives_min_bytes_that_is_not_a_count_is_refused_at_init():
+    with pytest.raises(AssertionError, match=r"SMFREE_COLLECTIVE_MIN_BYTES='16M' is not a "
+                                             r"non-negative integer"):
+        run_ranks(_exchange_one, 2, env={"SMFREE_COLLECTIVE_MIN_BYTES": "16M"})
 
 
 def _wrong_device(rank, world):

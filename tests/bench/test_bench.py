@@ -99,3 +99,40 @@ def test_alltoall_shows_the_counters_of_memory_and_mappings():
              "eager_sends": 5, "ucx_host_staging_cached_bytes": 0}
     assert memory_stats(stats) == {"ipc_mappings": 7, "ring_bytes": 1 << 26, "staging_rings": 3,
                                    "ucx_host_staging_cached_bytes": 0}
+
+
+def test_collectives_options_parse_and_are_checked(capsys):
+    from smfree_pg.bench.cli import parse_args
+    from smfree_pg.bench.sections import SECTIONS
+
+    args = parse_args(SECTIONS, "bench", ["--only", "collectives", "--collectives-sizes", "64K,1M",
+                                          "--collectives-overlap-size", "16M"])
+    assert args.only == ["collectives"]
+    assert args.collectives_sizes == [64 << 10, 1 << 20]
+    assert args.collectives_overlap_size == 16 << 20
+    assert (args.collectives_iters, args.collectives_reps) == (10, 3)
+    with pytest.raises(SystemExit):
+        parse_args(SECTIONS, "bench", ["--only", "collectives", "--collectives-iters", "0"])
+    assert "--collectives-iters must be at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("op", ["all_gather_into_tensor", "all_to_all_single"])
+def test_collectives_check_finds_a_misplaced_piece(op):
+    import torch
+
+    from smfree_pg.bench.collectives import make_input, wrong_piece
+
+    # What the op leaves on each rank, built by hand from every rank's input.
+    world, n, cpu = 3, 8, torch.device("cpu")
+    inputs = [make_input(op, rank, world, n, cpu) for rank in range(world)]
+    outs = [torch.cat([inp if op == "all_gather_into_tensor" else inp[r * n:(r + 1) * n]
+                       for inp in inputs]) for r in range(world)]
+    for rank, out in enumerate(outs):
+        assert wrong_piece(op, out, rank, world, range(world), "test") is None
+    # Rank 2's output with rank 1's piece where rank 0's should be.
+    outs[2][:n] = outs[2][n:2 * n]
+    assert "piece from rank 0" in wrong_piece(op, outs[2], 2, world, range(world), "test")
+    assert wrong_piece(op, outs[2], 2, world, [1, 2], "test") is None
+    if op == "all_to_all_single":
+        # Every rank's pieces differ by destination: rank 0's output does not pass as rank 1's.
+        assert wrong_piece(op, outs[0], 1, world, range(world), "test") is not None

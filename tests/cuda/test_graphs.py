@@ -4,7 +4,6 @@ graphs per process between ordinary ops on the same peer and tag; smfree puts no
 a graph; what cannot be captured is refused at the call; a peer that stops replaying, or dies,
 is reported within the group timeout and no replay is left waiting."""
 
-import ctypes
 import datetime
 import os
 import signal
@@ -16,40 +15,13 @@ import torch
 import torch.distributed as dist
 
 import channels
+from cuda_graphs import new_graph, node_types
 from harness import swap
 
 pytestmark = pytest.mark.gpu
 
 COPY_ENGINE = channels.COPY_ENGINE
 SIZES = [4, 64 << 10, 1 << 20, 8 << 20, 64 << 20, 256 << 20]  # bytes
-# CUgraphNodeType (cuda.h)
-NODE_TYPES = {0: "kernel", 1: "memcpy", 2: "memset", 3: "host", 4: "graph", 5: "empty",
-              6: "wait_event", 7: "event_record", 10: "mem_alloc", 11: "mem_free",
-              12: "batch_mem_op", 13: "conditional"}
-
-
-def _new_graph():
-    """A CUDAGraph that keeps its cudaGraph_t (to read its nodes) where this torch can."""
-    try:
-        return torch.cuda.CUDAGraph(keep_graph=True), True
-    except TypeError:
-        return torch.cuda.CUDAGraph(), False
-
-
-def _node_types(graph) -> Counter:
-    """The node types of a captured graph, read with the driver API."""
-    cuda = ctypes.CDLL("libcuda.so.1")
-    handle = ctypes.c_void_p(graph.raw_cuda_graph())
-    count = ctypes.c_size_t(0)
-    assert cuda.cuGraphGetNodes(handle, None, ctypes.byref(count)) == 0
-    nodes = (ctypes.c_void_p * count.value)()
-    assert cuda.cuGraphGetNodes(handle, nodes, ctypes.byref(count)) == 0
-    types = Counter()
-    for node in nodes[:count.value]:
-        kind = ctypes.c_int(-1)
-        assert cuda.cuGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(kind)) == 0
-        types[NODE_TYPES.get(kind.value, str(kind.value))] += 1
-    return types
 
 
 def _exchange(src, dst, peer, order):
@@ -76,7 +48,7 @@ def _sync(key, rank):
 
 
 def _capture(fn, mode):
-    graph, kept = _new_graph()
+    graph, kept = new_graph()
     torch.cuda.synchronize()
     with torch.cuda.graph(graph, capture_error_mode=mode):
         fn()
@@ -95,7 +67,7 @@ def _captured_exchanges(rank, world, order, mode, replays):
     for src, dst in pairs:  # a graph per size, each capturing one exchange
         graph, kept = _capture(lambda: _exchange(src, dst, peer, order), mode)
         if kept:
-            nodes += _node_types(graph)
+            nodes += node_types(graph)
         graphs.append(graph)
     seen = {size: [] for size in SIZES}
     ordinary = []

@@ -3,7 +3,8 @@ with them bounced through host memory, every same-host CUDA op finishes while a 
 every SM of both GPUs (a copy the driver ran as a kernel of its own would wait for the hold to
 end): eager, rendezvous and any-source exchanges, exchanges captured in CUDA graphs (batched,
 which copy straight into the recv's buffer, and unbatched, through slots; 4 KiB to 256 MiB),
-ops to the rank itself. A kernel queued the same way must end only after the hold,
+ops to the rank itself, the collectives on the copy engines (all-gather out of place and in
+place, all-to-all, broadcast; uncaptured and captured). A kernel queued the same way must end only after the hold,
 or the GPUs were not held; a bare copy to host memory must end during it; every op's bytes are
 checked after.
 

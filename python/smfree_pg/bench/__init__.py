@@ -17,13 +17,17 @@ Sections (`--only`), one module each:
 8. alltoall: every rank exchanging with every other at once (one batch_isend_irecv each),
    4 MiB ... 256 MiB per peer: µs per exchange and aggregate GB/s; a GEMM loop's slowdown under
    that traffic; smfree's mappings and staging memory afterwards.
-9. starvation: every same-host path run while a kernel holds every SM of both GPUs; when each
-   op ended, during the hold (no SM) or after it.
+9. collectives: all_gather_into_tensor and all_to_all_single on smfree's copy engines
+   (SMFREE_COLLECTIVES) against NCCL, every rank, 64 KiB ... 256 MiB per piece: µs per call and
+   aggregate GB/s beside the floor (the same pieces as bare peer copies from one process); a
+   GEMM loop's slowdown beside each.
+10. starvation: every same-host path run while a kernel holds every SM of both GPUs; when
+    each op ended, during the hold (no SM) or after it.
 
 Ranks pair up (0<->1, 2<->3, ...; with an odd world size the last rank idles) and all pairs run
-at once; pipelines take the first ranks; alltoall takes every rank. Rank 0 prints its figures
-and writes every figure to a JSON file (schema in `report.new_report`), from which
-`python -m smfree_pg.bench.plot` draws PNG plots. 1 GB = 1e9 bytes.
+at once; pipelines take the first ranks; alltoall and collectives take every rank. Rank 0
+prints its figures and writes every figure to a JSON file (schema in `report.new_report`), from
+which `python -m smfree_pg.bench.plot` draws PNG plots. 1 GB = 1e9 bytes.
 
 On CUDA it needs at least 2 GPUs on one host and spawns one rank per visible GPU itself:
 

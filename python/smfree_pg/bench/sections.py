@@ -5,9 +5,9 @@ check_arguments(args, parser), run(ctx, args) -> its JSON section (called on eve
 print_section(section) (rank 0's table).
 """
 
-from smfree_pg.bench import (alltoall, bandwidth, captured, overlap, pipeline, pipelining,
-                             profile, roundtrip, starvation)
+from smfree_pg.bench import (alltoall, bandwidth, captured, collectives, overlap, pipeline,
+                             pipelining, profile, roundtrip, starvation)
 
 SECTIONS = {module.NAME: module
             for module in (bandwidth, overlap, profile, pipeline, pipelining, roundtrip, captured,
-                           alltoall, starvation)}
+                           alltoall, collectives, starvation)}

@@ -3,7 +3,8 @@ kernel holds every SM of both GPUs (starve.Hold), per backend in one run; when e
 beside the hold's end. An op that ended during the hold needed no SM. The paths: exchanges
 (batch_isend_irecv) at eager and rendezvous sizes, ops to the rank itself, exchanges captured in
 CUDA graphs (batched, and unbatched: both ranks send before they receive), recvs from any
-source; and two yardsticks, a bare copy to host memory (a copy engine: during) and a kernel
+source, the collectives smfree runs on the copy engines (where the group is the pair); and two
+yardsticks, a bare copy to host memory (a copy engine: during) and a kernel
 queued the same way (after, or the GPU was not held). Every op's bytes are checked.
 
 Copies within one GPU (eager copies out of a slot, a captured send's copy into its slot, ops to
@@ -156,6 +157,60 @@ class Paths:
                 self.held(name, graph.replay)
                 self.check(dst, self.peer, name)
 
+    def collectives(self, sizes: list[int]) -> None:
+        """The collectives smfree runs on the copy engines, between the pair (a group of the two),
+        uncaptured and captured: all-gather out of place (its own piece a copy within the GPU)
+        and in place, all-to-all, broadcast."""
+        for size in sizes:
+            numel = size // 4
+            mine = torch.full((numel,), float(self.rank + 1), device=self.device)
+            flat = torch.zeros(2 * numel, device=self.device)
+            inplace = torch.zeros(2 * numel, device=self.device)
+            piece = inplace.narrow(0, self.rank * numel, numel)
+            send = torch.full((2 * numel,), float(self.rank + 1), device=self.device)
+            got = torch.zeros(2 * numel, device=self.device)
+            bcast = torch.zeros(numel, device=self.device)
+
+            def ops():  # no kernel of its own: it would wait for the hold
+                dist.all_gather_into_tensor(flat, mine, group=self.group)
+                dist.all_gather_into_tensor(inplace, piece, group=self.group)
+                dist.all_to_all_single(got, send, group=self.group)
+                dist.broadcast(bcast, src=0, group=self.group)
+
+            def reset():
+                for t in (flat, inplace, got):
+                    t.zero_()
+                piece.fill_(float(self.rank + 1))
+                bcast.fill_(1.0 if self.rank == 0 else 0.0)
+
+            def check(name):
+                self.check_all(name, {"all_gather": (flat, [1.0, 2.0]),
+                                      "in place": (inplace, [1.0, 2.0]),
+                                      "all_to_all": (got, [1.0, 2.0]),
+                                      "broadcast": (bcast, [1.0])})
+
+            reset()
+            ops()  # warm-up: buffers mapped
+            reset()
+            name = f"collectives {format_size(size)}"
+            self.held(name, ops)
+            check(name)
+            graph = self.capture(ops)
+            reset()
+            name = f"captured collectives {format_size(size)}"
+            self.held(name, graph.replay)
+            check(name)
+
+    def check_all(self, name: str, expected: dict) -> None:
+        """Each tensor's halves (or whole) hold the values listed, one per piece."""
+        torch.cuda.synchronize(self.device)
+        for what, (tensor, values) in expected.items():
+            pieces = tensor.view(len(values), -1)
+            for value, part in zip(values, pieces):
+                if not bool((part == value).all()):
+                    raise RuntimeError(f"smfree bench: rank {self.rank}, {name}: {what} holds "
+                                       "wrong bytes")
+
     def any_source(self, size: int) -> None:
         """Each rank in turn receives from any source. Last: once such a recv is posted, the
         group's recvs no longer know their place in their line (docs/design.md)."""
@@ -189,6 +244,8 @@ def held_paths(group, rank: int, peer: int, device: torch.device, sync: Callable
     # hang).
     orders = [("batched", exchange)] + ([("unbatched", unbatched)] if smfree else [])
     paths.captured(captured_sizes, orders)
+    if dist.get_world_size(group) == 2:  # collectives need the group to be the pair
+        paths.collectives([1 << 20, 64 << 20])
     if smfree:
         paths.any_source(1 << 20)
     return paths.seen

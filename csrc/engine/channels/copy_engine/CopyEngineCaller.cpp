@@ -28,7 +28,7 @@ CudaFence CopyEngineChannel::prepare(Op& op, const PostOptions& options) {
       state->produced = cuda::takeEvent(device);
       state->copied = cuda::takeEvent(device);
       state->produced->record(static_cast<CUstream>(op.request.stream));
-      if (lanes_.enabled() && !options.peerKey.empty()) {
+      if (lanes_.enabled() && !options.peerKey.empty() && !op.isCollective()) {
         state->eager =
             lanes_.push(op, laneOf(op, options.peerKey), *state->produced, *state->copied);
         if (state->eager) {
@@ -44,7 +44,8 @@ CudaFence CopyEngineChannel::prepare(Op& op, const PostOptions& options) {
       cudaOps_.writeFromStream(op, state->ready);
       // Only a recv that fits a slot can learn its message is eager; others cost nothing here.
       const uint64_t bytes = op.request.buffer.bytes;
-      if (options.placeKnown && bytes != 0 && bytes <= lanes_.slotBytes()) {
+      if (options.placeKnown && bytes != 0 && bytes <= lanes_.slotBytes() &&
+          !op.isCollective()) {
         state->eagerRecv = std::make_shared<EagerRecv>();
         state->eagerRecv->lane = laneOf(op, options.peerKey);
         state->eagerRecv->seq = op.seq;

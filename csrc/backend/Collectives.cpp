@@ -1,0 +1,356 @@
+#include "backend/Collectives.h"
+
+#include <c10/util/Exception.h>
+
+#include <array>
+#include <cstdlib>
+#include <numeric>
+#include <sstream>
+
+namespace smfree {
+namespace {
+
+constexpr std::array<Collective, 5> kCollectives{Collective::kAllGather, Collective::kAllToAll,
+                                                 Collective::kBroadcast, Collective::kGather,
+                                                 Collective::kScatter};
+// What SMFREE_COLLECTIVES means unset (docs/benchmarks.md, "Collectives", says why).
+constexpr const char* kDefaultCollectives = "all_gather";
+constexpr int64_t kDefaultMinBytes = 16 << 20;
+
+uint8_t bit(Collective collective) { return uint8_t{1} << static_cast<uint8_t>(collective); }
+
+uint8_t parseCollectives() {
+  const char* env = std::getenv("SMFREE_COLLECTIVES");
+  const std::string value = env && *env ? env : kDefaultCollectives;
+  if (value == "off") return 0;
+  if (value == "all") return 0xff;
+  uint8_t set = 0;
+  std::stringstream names(value);
+  std::string name;
+  while (std::getline(names, name, ',')) {
+    bool known = false;
+    for (Collective collective : kCollectives) {
+      if (name == settingName(collective)) {
+        set |= bit(collective);
+        known = true;
+      }
+    }
+    TORCH_CHECK_VALUE(known, "smfree: SMFREE_COLLECTIVES='", value, "': '", name,
+                      "' is not one of all_gather, all_to_all, broadcast, gather, scatter (or "
+                      "say all, or off)");
+  }
+  return set;
+}
+
+uint8_t collectiveSet() {
+  static const uint8_t set = parseCollectives();
+  return set;
+}
+
+// Every tensor of a collective: on this rank's CUDA device or all on the CPU, contiguous (its
+// pieces are byte ranges), of one dtype.
+void checkTensor(const at::Tensor& tensor, const at::Tensor& first, const char* op,
+                 const char* what) {
+  TORCH_CHECK_VALUE(tensor.defined(), "smfree: ", op, ": ", what, " is undefined");
+  TORCH_CHECK_VALUE(tensor.is_contiguous(), "smfree: ", op, ": ", what,
+                    " must be contiguous (its pieces move as byte ranges)");
+  TORCH_CHECK_VALUE(tensor.device() == first.device(), "smfree: ", op, ": ", what, " is on ",
+                    tensor.device(), " and the op's first tensor on ", first.device(),
+                    "; one collective uses one device per rank");
+  TORCH_CHECK_VALUE(tensor.scalar_type() == first.scalar_type(), "smfree: ", op, ": ", what,
+                    " is ", tensor.scalar_type(), " and the op's first tensor ",
+                    first.scalar_type(), "; NCCL needs one dtype too");
+}
+
+void checkSameNumel(const at::Tensor& tensor, int64_t numel, const char* op, const char* what) {
+  TORCH_CHECK_VALUE(tensor.numel() == numel, "smfree: ", op, ": ", what, " has ", tensor.numel(),
+                    " elements; it needs ", numel);
+}
+
+void checkRoot(int root, int size, const char* op) {
+  TORCH_CHECK_VALUE(root >= 0 && root < size, "smfree: ", op, ": root rank ", root,
+                    " is not a rank of a group of ", size);
+}
+
+void checkCount(size_t count, size_t wanted, const char* op, const char* what) {
+  TORCH_CHECK_VALUE(count == wanted, "smfree: ", op, " takes ", wanted, " ", what, ", not ",
+                    count);
+}
+
+// The piece this rank keeps: a copy from `from` into `into`, none where they are the same
+// bytes (an all-gather in place).
+void keep(CollectivePlan& plan, int rank, const at::Tensor& from, const at::Tensor& into) {
+  if (from.data_ptr() == into.data_ptr() && from.nbytes() == into.nbytes()) return;
+  plan.sends.push_back({rank, from});
+  plan.recvs.push_back({rank, into});
+}
+
+// Row offsets of dim 0 split as `splits` (equal splits where empty); throws for bad splits.
+std::vector<int64_t> rowsOf(const at::Tensor& tensor, const std::vector<int64_t>& splits,
+                            int size, const char* op, const char* what) {
+  TORCH_CHECK_VALUE(tensor.dim() >= 1, "smfree: ", op, ": ", what,
+                    " must have a dim 0 to split");
+  const int64_t rows = tensor.size(0);
+  std::vector<int64_t> out;
+  if (splits.empty()) {
+    TORCH_CHECK_VALUE(rows % size == 0, "smfree: ", op, ": ", what, "'s dim 0 (", rows,
+                      ") does not split equally among ", size, " ranks");
+    out.assign(size, rows / size);
+    return out;
+  }
+  checkCount(splits.size(), static_cast<size_t>(size), op, c10::str(what, " split sizes").c_str());
+  for (int64_t split : splits) {
+    TORCH_CHECK_VALUE(split >= 0, "smfree: ", op, ": a negative ", what, " split size (", split,
+                      ")");
+  }
+  const int64_t total = std::accumulate(splits.begin(), splits.end(), int64_t{0});
+  TORCH_CHECK_VALUE(total == rows, "smfree: ", op, ": ", what, " split sizes add up to ", total,
+                    " rows; its dim 0 has ", rows);
+  return splits;
+}
+
+// The rows of `tensor` split as `rows`, piece k for rank k.
+std::vector<at::Tensor> splitRows(const at::Tensor& tensor, const std::vector<int64_t>& rows) {
+  std::vector<at::Tensor> pieces;
+  int64_t at = 0;
+  for (int64_t count : rows) {
+    pieces.push_back(tensor.narrow(0, at, count));
+    at += count;
+  }
+  return pieces;
+}
+
+}  // namespace
+
+const char* settingName(Collective collective) {
+  switch (collective) {
+    case Collective::kAllGather:
+      return "all_gather";
+    case Collective::kAllToAll:
+      return "all_to_all";
+    case Collective::kBroadcast:
+      return "broadcast";
+    case Collective::kGather:
+      return "gather";
+    case Collective::kScatter:
+      return "scatter";
+  }
+  return "?";
+}
+
+int64_t collectiveMinBytes() {
+  static const int64_t bytes = [] {
+    const char* env = std::getenv("SMFREE_COLLECTIVE_MIN_BYTES");
+    if (!env || !*env) return kDefaultMinBytes;
+    char* end = nullptr;
+    const long long value = std::strtoll(env, &end, 10);
+    TORCH_CHECK_VALUE(*end == '\0' && value >= 0, "smfree: SMFREE_COLLECTIVE_MIN_BYTES='", env,
+                      "' is not a non-negative integer");
+    return static_cast<int64_t>(value);
+  }();
+  return bytes;
+}
+
+bool onCopyEngines(Collective collective) { return (collectiveSet() & bit(collective)) != 0; }
+
+std::vector<std::string> collectivesOnCopyEngines() {
+  std::vector<std::string> names;
+  for (Collective collective : kCollectives) {
+    if (onCopyEngines(collective)) names.emplace_back(settingName(collective));
+  }
+  return names;
+}
+
+int64_t CollectivePlan::bytes() const {
+  int64_t total = 0;
+  for (const auto* pieces : {&sends, &recvs}) {
+    for (const Piece& piece : *pieces) total += static_cast<int64_t>(piece.tensor.nbytes());
+  }
+  return total;
+}
+
+CollectivePlan planAllGatherIntoTensor(const at::Tensor& output, const at::Tensor& input, int rank,
+                                       int size) {
+  CollectivePlan plan{"all_gather_into_tensor", Collective::kAllGather,
+                      c10d::OpType::_ALLGATHER_BASE};
+  checkTensor(input, input, plan.op, "the input");
+  checkTensor(output, input, plan.op, "the output");
+  checkSameNumel(output, input.numel() * size, plan.op, "the output");
+  const at::Tensor flat = output.view(-1);
+  const int64_t numel = input.numel();
+  for (int peer = 0; peer < size; ++peer) {
+    const at::Tensor piece = flat.narrow(0, peer * numel, numel);
+    if (peer == rank) {
+      keep(plan, rank, input, piece);
+    } else {
+      plan.recvs.push_back({peer, piece});
+      plan.sends.push_back({peer, input});
+    }
+  }
+  plan.outputs = {output};
+  return plan;
+}
+
+CollectivePlan planAllGatherIntoTensorCoalesced(const std::vector<at::Tensor>& outputs,
+                                                const std::vector<at::Tensor>& inputs, int rank,
+                                                int size) {
+  checkCount(outputs.size(), inputs.size(), "all_gather_into_tensor (coalesced)",
+             "outputs as inputs");
+  CollectivePlan plan{"all_gather_into_tensor (coalesced)", Collective::kAllGather,
+                      c10d::OpType::COALESCED};
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    CollectivePlan one = planAllGatherIntoTensor(outputs[i], inputs[i], rank, size);
+    // Each (peer, direction) keeps the call order, so the n-th piece between two ranks is the
+    // same tensor's on both.
+    plan.sends.insert(plan.sends.end(), one.sends.begin(), one.sends.end());
+    plan.recvs.insert(plan.recvs.end(), one.recvs.begin(), one.recvs.end());
+    plan.outputs.push_back(outputs[i]);
+  }
+  return plan;
+}
+
+CollectivePlan planAllGather(const std::vector<std::vector<at::Tensor>>& outputs,
+                             const std::vector<at::Tensor>& inputs, int rank, int size) {
+  CollectivePlan plan{"all_gather", Collective::kAllGather, c10d::OpType::ALLGATHER};
+  checkCount(inputs.size(), 1, plan.op, "input tensor (one device per rank)");
+  checkCount(outputs.size(), 1, plan.op, "output list (one device per rank)");
+  checkCount(outputs[0].size(), static_cast<size_t>(size), plan.op, "output tensors");
+  const at::Tensor& input = inputs[0];
+  checkTensor(input, input, plan.op, "the input");
+  for (int peer = 0; peer < size; ++peer) {
+    const at::Tensor& piece = outputs[0][peer];
+    checkTensor(piece, input, plan.op, "an output");
+    checkSameNumel(piece, input.numel(), plan.op, "an output");
+    if (peer == rank) {
+      keep(plan, rank, input, piece);
+    } else {
+      plan.recvs.push_back({peer, piece});
+      plan.sends.push_back({peer, input});
+    }
+  }
+  plan.outputs = outputs[0];
+  return plan;
+}
+
+CollectivePlan planAllToAllSingle(const at::Tensor& output, const at::Tensor& input,
+                                  const std::vector<int64_t>& outputSplits,
+                                  const std::vector<int64_t>& inputSplits, int rank, int size) {
+  CollectivePlan plan{"all_to_all_single", Collective::kAllToAll, c10d::OpType::ALLTOALL_BASE};
+  checkTensor(input, input, plan.op, "the input");
+  checkTensor(output, input, plan.op, "the output");
+  const std::vector<at::Tensor> outs =
+      splitRows(output, rowsOf(output, outputSplits, size, plan.op, "the output"));
+  const std::vector<at::Tensor> ins =
+      splitRows(input, rowsOf(input, inputSplits, size, plan.op, "the input"));
+  for (int peer = 0; peer < size; ++peer) {
+    if (peer == rank) {
+      checkSameNumel(outs[peer], ins[peer].numel(), plan.op, "this rank's own output piece");
+      keep(plan, rank, ins[peer], outs[peer]);
+    } else {
+      plan.recvs.push_back({peer, outs[peer]});
+      plan.sends.push_back({peer, ins[peer]});
+    }
+  }
+  plan.outputs = {output};
+  return plan;
+}
+
+CollectivePlan planAllToAll(const std::vector<at::Tensor>& outputs,
+                            const std::vector<at::Tensor>& inputs, int rank, int size) {
+  CollectivePlan plan{"all_to_all", Collective::kAllToAll, c10d::OpType::ALLTOALL};
+  checkCount(inputs.size(), static_cast<size_t>(size), plan.op, "input tensors");
+  checkCount(outputs.size(), static_cast<size_t>(size), plan.op, "output tensors");
+  const at::Tensor& first = inputs[0];
+  for (int peer = 0; peer < size; ++peer) {
+    checkTensor(inputs[peer], first, plan.op, "an input");
+    checkTensor(outputs[peer], first, plan.op, "an output");
+    if (peer == rank) {
+      checkSameNumel(outputs[peer], inputs[peer].numel(), plan.op, "this rank's own output");
+      keep(plan, rank, inputs[peer], outputs[peer]);
+    } else {
+      plan.recvs.push_back({peer, outputs[peer]});
+      plan.sends.push_back({peer, inputs[peer]});
+    }
+  }
+  plan.outputs = outputs;
+  return plan;
+}
+
+CollectivePlan planBroadcast(const std::vector<at::Tensor>& tensors, int root, int rank,
+                             int size) {
+  CollectivePlan plan{"broadcast", Collective::kBroadcast, c10d::OpType::BROADCAST};
+  checkCount(tensors.size(), 1, plan.op, "tensor (one device per rank)");
+  checkRoot(root, size, plan.op);
+  const at::Tensor& tensor = tensors[0];
+  checkTensor(tensor, tensor, plan.op, "the tensor");
+  if (rank == root) {
+    for (int peer = 0; peer < size; ++peer) {
+      if (peer != rank) plan.sends.push_back({peer, tensor});
+    }
+  } else {
+    plan.recvs.push_back({root, tensor});
+  }
+  plan.outputs = tensors;
+  return plan;
+}
+
+CollectivePlan planGather(const std::vector<std::vector<at::Tensor>>& outputs,
+                          const std::vector<at::Tensor>& inputs, int root, int rank, int size) {
+  CollectivePlan plan{"gather", Collective::kGather, c10d::OpType::GATHER};
+  checkCount(inputs.size(), 1, plan.op, "input tensor (one device per rank)");
+  checkRoot(root, size, plan.op);
+  const at::Tensor& input = inputs[0];
+  checkTensor(input, input, plan.op, "the input");
+  if (rank != root) {
+    TORCH_CHECK_VALUE(outputs.empty() || (outputs.size() == 1 && outputs[0].empty()),
+                      "smfree: gather: only the root (rank ", root, ") takes outputs");
+    plan.sends.push_back({root, input});
+    return plan;
+  }
+  checkCount(outputs.size(), 1, plan.op, "output list at the root (one device per rank)");
+  checkCount(outputs[0].size(), static_cast<size_t>(size), plan.op, "output tensors at the root");
+  for (int peer = 0; peer < size; ++peer) {
+    const at::Tensor& piece = outputs[0][peer];
+    checkTensor(piece, input, plan.op, "an output");
+    checkSameNumel(piece, input.numel(), plan.op, "an output");
+    if (peer == rank) {
+      keep(plan, rank, input, piece);
+    } else {
+      plan.recvs.push_back({peer, piece});
+    }
+  }
+  plan.outputs = outputs[0];
+  return plan;
+}
+
+CollectivePlan planScatter(const std::vector<at::Tensor>& outputs,
+                           const std::vector<std::vector<at::Tensor>>& inputs, int root, int rank,
+                           int size) {
+  CollectivePlan plan{"scatter", Collective::kScatter, c10d::OpType::SCATTER};
+  checkCount(outputs.size(), 1, plan.op, "output tensor (one device per rank)");
+  checkRoot(root, size, plan.op);
+  const at::Tensor& output = outputs[0];
+  checkTensor(output, output, plan.op, "the output");
+  plan.outputs = outputs;
+  if (rank != root) {
+    TORCH_CHECK_VALUE(inputs.empty() || (inputs.size() == 1 && inputs[0].empty()),
+                      "smfree: scatter: only the root (rank ", root, ") takes inputs");
+    plan.recvs.push_back({root, output});
+    return plan;
+  }
+  checkCount(inputs.size(), 1, plan.op, "input list at the root (one device per rank)");
+  checkCount(inputs[0].size(), static_cast<size_t>(size), plan.op, "input tensors at the root");
+  for (int peer = 0; peer < size; ++peer) {
+    const at::Tensor& piece = inputs[0][peer];
+    checkTensor(piece, output, plan.op, "an input");
+    checkSameNumel(piece, output.numel(), plan.op, "an input");
+    if (peer == rank) {
+      keep(plan, rank, piece, output);
+    } else {
+      plan.sends.push_back({peer, piece});
+    }
+  }
+  return plan;
+}
+
+}  // namespace smfree

@@ -1,0 +1,301 @@
+"""Collectives: smfree's copy-engine collectives (SMFREE_COLLECTIVES) against NCCL's, every rank.
+
+- calls: all_gather_into_tensor and all_to_all_single as users call them (async_op=False, on
+  the current stream), `--collectives-iters` back to back; µs per call (median of the rounds,
+  the slowest rank per round), the paired ratio smfree/NCCL and the aggregate GB/s.
+  `size` is one piece: all-gather's input per rank (its output is world x size); all-to-all's
+  piece per pair of ranks (input and output are world x size, piece r to or from rank r).
+  Either way every call moves world x (world - 1) x size bytes between GPUs.
+- floor: the same pieces moved by bare peer copies (`dst.copy_(src)`, one stream per pair of
+  GPUs), all GPUs driven from rank 0's process: what the copy engines do with no handshake.
+- GEMM: the overlap section's GEMM loop while a side stream loops each collective at
+  `--collectives-overlap-size`, about `--overlap-bytes` out of each rank; the GEMM's slowdown.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from smfree_pg.bench import overlap
+from smfree_pg.bench.alltoall import figure, schedule, traffic_chunks
+from smfree_pg.bench.bandwidth import PeerCopy, seconds_per_op, time_peer_copies
+from smfree_pg.bench.cli import at_least
+from smfree_pg.bench.context import CUDA_BACKENDS, Ctx, barrier, gather, log, raise_on_errors
+from smfree_pg.bench.data import pattern
+from smfree_pg.bench.report import format_table, num
+from smfree_pg.bench.sizes import format_size, parse_size, parse_sizes
+from smfree_pg.bench.stats import paired_ratios
+
+NAME = "collectives"
+DEVICES = ("cuda",)
+ALL_GATHER, ALL_TO_ALL = "all_gather_into_tensor", "all_to_all_single"
+# As FSDP2 calls it: the input is this rank's piece of the output, so no copy stays on a GPU.
+IN_PLACE = "all_gather_into_tensor in place"
+OPS = (ALL_GATHER, IN_PLACE, ALL_TO_ALL)
+
+
+def add_arguments(parser) -> None:
+    group = parser.add_argument_group("collectives (uses the overlap options too)")
+    group.add_argument("--collectives-sizes", type=parse_sizes, default="64K,1M,16M,64M,256M",
+                       help="bytes per piece: all-gather's input per rank, all-to-all's piece "
+                       "per pair of ranks (its input is world x that) (default: %(default)s)")
+    group.add_argument("--collectives-iters", type=int, default=10,
+                       help="calls per timed loop (default: %(default)s)")
+    group.add_argument("--collectives-reps", type=int, default=3,
+                       help="rounds of timed loops, smfree and NCCL taking turns; the median "
+                       "counts (default: %(default)s)")
+    group.add_argument("--collectives-overlap-size", type=parse_size, default="64M",
+                       help="bytes per piece of the collectives looped beside the GEMM "
+                       "(default: %(default)s)")
+
+
+def check_arguments(args, parser) -> None:
+    at_least(parser, args, 1, "collectives_iters", "collectives_reps")
+
+
+def call(op: str, group, out: torch.Tensor, inp: torch.Tensor) -> None:
+    if op in (ALL_GATHER, IN_PLACE):
+        dist.all_gather_into_tensor(out, inp, group=group)
+    else:
+        dist.all_to_all_single(out, inp, group=group)
+
+
+def make_input(op: str, rank: int, world: int, n: int, device, distinct: bool = True):
+    """`rank`'s input of `n` int32s per piece. All-to-all's pieces differ by destination
+    (`distinct`), so a piece sent to the wrong rank shows; without, every piece is pattern(rank),
+    what overlap_trial's check expects."""
+    if op in (ALL_GATHER, IN_PLACE):
+        return pattern(rank, n, device)
+    return pattern(rank, world * n, device) if distinct else pattern(rank, n, device).repeat(world)
+
+
+def expected_piece(op: str, sender: int, receiver: int, world: int, n: int, device):
+    """What `receiver`'s output holds at piece `sender` (make_input's distinct inputs)."""
+    if op in (ALL_GATHER, IN_PLACE):
+        return pattern(sender, n, device)
+    return pattern(sender, world * n, device)[receiver * n:(receiver + 1) * n]
+
+
+def wrong_piece(op: str, out: torch.Tensor, receiver: int, world: int, senders, what: str):
+    """None if `out`'s pieces from `senders` are right, else where the first one differs."""
+    n = out.numel() // world
+    for sender in senders:
+        got, want = out[sender * n:(sender + 1) * n], expected_piece(op, sender, receiver, world,
+                                                                     n, out.device)
+        if not torch.equal(got, want):
+            index = int((got != want).nonzero()[0])
+            return (f"{what}: piece from rank {sender} differs first at int32 {index} of {n}: "
+                    f"got {int(got[index])}, expected {int(want[index])}")
+    return None
+
+
+def input_of(op: str, out: torch.Tensor, inp: torch.Tensor, rank: int) -> torch.Tensor:
+    """The input a call of `op` into `out` takes: `inp`, or for IN_PLACE `out`'s piece holding it."""
+    if op != IN_PLACE:
+        return inp
+    piece = out.narrow(0, rank * inp.numel(), inp.numel())
+    piece.copy_(inp)
+    return piece
+
+
+def timed_loop(ctx: Ctx, step, iters: int) -> float:
+    """Seconds per call of `iters` back to back, until the GPU has done them; slowest rank."""
+    torch.cuda.synchronize()
+    barrier(ctx)
+    return max(gather(ctx, seconds_per_op(step, iters)))
+
+
+def measure_calls(ctx: Ctx, op: str, size: int, args) -> dict:
+    """smfree's and NCCL's timed loops of `op`, taking turns round by round; checked after."""
+    n = size // 4
+    inp = make_input(op, ctx.rank, ctx.world, n, ctx.device)
+    outs = {b: torch.empty(ctx.world * n, dtype=torch.int32, device=ctx.device)
+            for b in CUDA_BACKENDS}
+    ins = {}
+    for backend in CUDA_BACKENDS:
+        # Untimed: the first call maps buffers and builds communicators.
+        call(op, ctx.groups[backend], outs[backend], input_of(op, outs[backend], inp, ctx.rank))
+        outs[backend].zero_()  # so that the check below sees what the timed calls wrote
+        ins[backend] = input_of(op, outs[backend], inp, ctx.rank)
+    seconds = {backend: [] for backend in CUDA_BACKENDS}
+    for rep in range(args.collectives_reps):
+        for backend in CUDA_BACKENDS[::-1] if rep % 2 else CUDA_BACKENDS:
+            group, out, piece = ctx.groups[backend], outs[backend], ins[backend]
+            seconds[backend].append(timed_loop(
+                ctx, lambda: call(op, group, out, piece), args.collectives_iters))
+    for backend in CUDA_BACKENDS:
+        where = f"rank {ctx.rank}, {op} over {backend}, {format_size(size)}"
+        error = wrong_piece(op, outs[backend], ctx.rank, ctx.world, range(ctx.world), where)
+        raise_on_errors(gather(ctx, error), f"{op} over {backend}")
+    row = {"op": op, "bytes": size, **{b: figure(s, size, ctx.world) for b, s in seconds.items()},
+           "paired": paired_ratios(seconds["smfree"], seconds["nccl"])}
+    log(ctx, f"{op} {format_size(size):>7}: smfree {row['smfree']['us']:9.1f} µs, NCCL "
+             f"{row['nccl']['us']:9.1f} µs, smfree/NCCL {row['paired']['median']:.3f}")
+    return row
+
+
+def floor_copies(op: str, size: int, devices: list[int]):
+    """The op's pieces between other GPUs as peer copies, each pair on streams of its own, in
+    alltoall.schedule's order; and every GPU's output."""
+    world, n = len(devices), size // 4
+    gpus = [torch.device("cuda", index) for index in devices]
+    inputs = [make_input(op, s, world, n, gpus[s]) for s in range(world)]
+    outs = [torch.zeros(world * n, dtype=torch.int32, device=gpu) for gpu in gpus]
+    copies = []
+    for step in range(world - 1):
+        for s in range(world):
+            d = schedule(s, world)[step][0]
+            src = inputs[s] if op != ALL_TO_ALL else inputs[s][d * n:(d + 1) * n]
+            copies.append(PeerCopy(src, outs[d][s * n:(s + 1) * n],
+                                   torch.cuda.Stream(gpus[s]), torch.cuda.Stream(gpus[d])))
+    return copies, outs
+
+
+def measure_floor(ctx: Ctx, op: str, size: int, args):
+    """Rank 0 alone: (figures, error) of the bare copies, or (None, None) where it cannot see
+    every rank's GPU (a CUDA_VISIBLE_DEVICES per rank)."""
+    devices = ctx.devices
+    if len(set(devices)) < ctx.world or max(devices) >= torch.cuda.device_count():
+        return None, None
+    copies, outs = floor_copies(op, size, devices)
+    for index in devices:
+        torch.cuda.synchronize(index)  # the zeroing ran on the default streams, the copies not
+    time_peer_copies(copies, 1)  # untimed: peer access is enabled on first use
+    seconds = [time_peer_copies(copies, args.collectives_iters)
+               for _ in range(args.collectives_reps)]
+    for d, out in enumerate(outs):
+        # A rank's own piece is no peer copy: the floor leaves it out.
+        others = [s for s in range(ctx.world) if s != d]
+        if error := wrong_piece(op, out, d, ctx.world, others, f"floor {op} into GPU {d}"):
+            return None, error
+    return figure(seconds, size, ctx.world), None
+
+
+def add_floors(ctx: Ctx, rows: list[dict], args) -> str | None:
+    """Each row's floor, after a barrier; the other ranks wait in a Gloo gather meanwhile, which
+    leaves the GPUs to rank 0. Returns why there is none, if so."""
+    torch.cuda.synchronize()
+    barrier(ctx)
+    for row in rows:
+        measured = (measure_floor(ctx, row["op"], row["bytes"], args) if ctx.rank == 0
+                    else (None, None))
+        gathered = gather(ctx, measured)
+        raise_on_errors([error for _, error in gathered], f"floor of {row['op']}")
+        row["floor"] = gathered[0][0]
+        if row["floor"] is None:
+            break
+        log(ctx, f"{row['op']} {format_size(row['bytes']):>7}: floor "
+                 f"{row['floor']['us']:9.1f} µs")
+    if all(row.get("floor") for row in rows):
+        return None
+    for row in rows:
+        row["floor"] = None
+    reason = (f"rank 0 sees {torch.cuda.device_count()} GPUs; the floor needs every rank's "
+              "GPU (all of them visible to every rank)")
+    log(ctx, f"collectives floor: skipped, {reason}")
+    return reason
+
+
+class CollectiveTraffic:
+    """The overlap section's load as `calls` collectives on a side stream; overlap_trial checks
+    `recv`, the piece from `peer` (the next rank), against pattern(peer)."""
+
+    def __init__(self, ctx: Ctx, op: str, size: int, calls: int) -> None:
+        n = size // 4
+        self.op, self.calls = op, calls
+        self.inp = make_input(op, ctx.rank, ctx.world, n, ctx.device, distinct=False)
+        self.out = torch.empty(ctx.world * n, dtype=torch.int32, device=ctx.device)
+        self.peer = (ctx.rank + 1) % ctx.world
+        self.recv = self.out[self.peer * n:(self.peer + 1) * n]
+        self.stream = torch.cuda.Stream(ctx.device)
+        for backend in CUDA_BACKENDS:
+            call(op, ctx.groups[backend], self.out, self.inp)  # untimed
+
+    def post(self, ctx: Ctx, backend: str, after: torch.cuda.Event):
+        """Posts from a thread (post_from_thread): a call may hold the CPU until bytes moved."""
+        group = ctx.groups[backend]
+
+        def calls() -> None:
+            for _ in range(self.calls):
+                call(self.op, group, self.out, self.inp)
+
+        return overlap.post_from_thread(self.stream, after, calls)
+
+
+def measure_gemm(ctx: Ctx, op: str, matrices, args) -> dict:
+    size = args.collectives_overlap_size
+    calls = traffic_chunks(args.overlap_bytes, size, ctx.world)
+    traffic = CollectiveTraffic(ctx, op, size, calls)
+    samples = overlap.trial_rounds(ctx, traffic, matrices, args, f"{op} GEMM")
+    bytes_out = calls * size * (ctx.world - 1)
+    return {"op": op, "bytes": size, "calls": calls, "bytes_out_per_rank": bytes_out,
+            "ranks": gather(ctx, overlap.summarize_overlap(samples, args.gemm_n, bytes_out))}
+
+
+def run(ctx: Ctx, args) -> dict:
+    if ctx.world < 2:
+        raise RuntimeError("smfree bench: the collectives section needs at least 2 ranks")
+    rows = [measure_calls(ctx, op, size, args) for op in OPS for size in args.collectives_sizes]
+    a = torch.randn(args.gemm_n, args.gemm_n, device=ctx.device, dtype=torch.bfloat16)
+    matrices = (a, torch.randn_like(a), torch.empty_like(a))
+    gemm = [measure_gemm(ctx, op, matrices, args) for op in (ALL_GATHER, ALL_TO_ALL)]
+    # The floor comes last: it gives rank 0 a CUDA context on every rank's GPU.
+    floor_skipped = add_floors(ctx, rows, args)
+    return {
+        "world": ctx.world,
+        "iters": args.collectives_iters,
+        "reps": args.collectives_reps,
+        "smfree_collectives": os.environ.get("SMFREE_COLLECTIVES", "unset (all)"),
+        "units": {"bytes": "bytes per piece: all-gather's input per rank; all-to-all's piece per "
+                           "pair of ranks (input and output are world x bytes)",
+                  "us": "µs per call, async_op=False on the current stream, iters back to back; "
+                        "median of reps, the slowest rank per rep",
+                  "GBps_aggregate": "world * (world - 1) * bytes / µs per call: what crosses "
+                                    "between GPUs; 1 GB = 1e9 B",
+                  "paired": "smfree time / NCCL time in each rep, their median and spread",
+                  "floor": "the same pieces between GPUs as bare peer copies from rank 0's "
+                           "process, one stream per pair (own pieces left out); null: skipped",
+                  "gemm": "per op and rank: ms per GEMM alone and under each backend's calls; "
+                          "slowdown_pct in %; transfer_GBps: bytes out of a rank / traffic time"},
+        "rows": rows,
+        "floor_skipped": floor_skipped,
+        "gemm_n": args.gemm_n,
+        "gemms": args.gemms,
+        "gemm": gemm,
+    }
+
+
+def print_section(section: dict) -> None:
+    world = section["world"]
+    print(f"\nCollectives (SMFREE_COLLECTIVES: {section['smfree_collectives']}): µs per call, "
+          f"{section['iters']} back to back, median of {section['reps']} rounds, slowest rank; "
+          f"size: all-gather's input per rank, all-to-all's piece per pair")
+    rows = []
+    for row in section["rows"]:
+        smfree, nccl, floor = row["smfree"], row["nccl"], row.get("floor")
+        rows.append([row["op"], format_size(row["bytes"]), num(smfree["us"]), num(nccl["us"]),
+                     f"{row['paired']['median']:.3f}", num(floor and floor["us"]),
+                     num(floor and smfree["us"] / floor["us"], 2),
+                     num(smfree["GBps_aggregate"]), num(nccl["GBps_aggregate"]),
+                     num(floor and floor["GBps_aggregate"])])
+    print(format_table(["op", "size", "smfree µs", "NCCL µs", "smfree/NCCL", "floor µs",
+                        "smfree/floor", "smfree GB/s", "NCCL GB/s", "floor GB/s"], rows))
+    print(f"GB/s: {world} x {world - 1} x size / µs per call; smfree/NCCL: median over rounds of "
+          "the ratio in the same round; floor: bare peer copies of the same pieces")
+    if section["floor_skipped"]:
+        print(f"floor skipped: {section['floor_skipped']}")
+    print(f"\nCollectives under GEMM: bf16 GEMM {section['gemm_n']}^3 x {section['gemms']} while "
+          "a side stream loops the collective; paired slowdown, median over rounds")
+    rows = [[g["op"], format_size(g["bytes"]), str(rank), num(s["alone_ms"], 3),
+             *(f"{s[b]['paired_slowdown_pct']:+.1f} %" for b in CUDA_BACKENDS),
+             *(num(s[b]["transfer_GBps"]) for b in CUDA_BACKENDS),
+             "yes" if all(s[b]["covered"] for b in CUDA_BACKENDS) else "no: raise --overlap-bytes"]
+            for g in section["gemm"] for rank, s in enumerate(g["ranks"])]
+    print(format_table(["op", "size", "rank", "ms/GEMM alone", "slowdown +smfree",
+                        "slowdown +NCCL", "smfree GB/s out", "NCCL GB/s out",
+                        "traffic covered the loop"], rows))
+    sys.stdout.flush()
