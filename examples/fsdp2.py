@@ -147,7 +147,9 @@ def run(args, backend: str, group: dist.ProcessGroup, data) -> tuple[dict, list[
     # The last run's FSDP modules and optimizer sit in reference cycles: free their memory first.
     gc.collect()
     model = build(args, group, backend)
+    counted = copy_engine_calls(group, backend)
     losses, times = train(args, model, data)
+    counted = copy_engine_calls(group, backend) - counted
     shards = [p.to_local().detach().clone() for p in model.parameters()]
     # On WORLD (NCCL) for both backends. A sum of rows that are zero but on their own rank
     # gathers the losses exactly (all_gather_into_tensor is deprecated in newer torch).
@@ -163,7 +165,15 @@ def run(args, backend: str, group: dist.ProcessGroup, data) -> tuple[dict, list[
         "steps_ms": steps_ms,
         "losses_by_rank": by_rank,
         "losses_mean": [sum(column) / len(by_rank) for column in zip(*by_rank)],
+        "collectives_on_copy_engines": counted,
     }, shards
+
+
+def copy_engine_calls(group: dist.ProcessGroup, backend: str) -> int:
+    """How many collectives smfree has run on the copy engines for `group` (0 for NCCL)."""
+    if backend != "smfree":
+        return 0
+    return group._get_backend(torch.device("cuda"))._stats()["collectives_on_copy_engines"]
 
 
 def compare(first: list[torch.Tensor], second: list[torch.Tensor]) -> tuple[bool, float]:
@@ -183,7 +193,9 @@ def one_round(args, index: int, groups: dict, data) -> dict:
         results[backend], shards[backend] = run(args, backend, groups[backend], data)
         if dist.get_rank() == 0:
             print(f"round {index + 1}/{args.rounds} {backend}: median step "
-                  f"{results[backend]['step_ms']:.2f} ms, losses (mean over ranks) "
+                  f"{results[backend]['step_ms']:.2f} ms, "
+                  f"{results[backend]['collectives_on_copy_engines']} collectives on the copy "
+                  f"engines, losses (mean over ranks) "
                   f"{' '.join(repr(loss) for loss in results[backend]['losses_mean'])}",
                   flush=True)
     smfree, nccl = results["smfree"], results["nccl"]

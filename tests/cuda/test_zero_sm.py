@@ -35,7 +35,9 @@ def _every_path_held(rank, world):
 @pytest.mark.parametrize("local_copies", ["default", "host"])
 def test_every_same_host_op_finishes_while_every_sm_is_held(local_copies):
     COPY_ENGINE.skip_unless_ranks(2)
-    env = {"CUDA_DEVICE_MAX_CONNECTIONS": "8"}
+    # Every collective on the copy engines, whatever its size (the defaults keep some on NCCL).
+    env = {"CUDA_DEVICE_MAX_CONNECTIONS": "8", "SMFREE_COLLECTIVES": "all",
+           "SMFREE_COLLECTIVE_MIN_BYTES": "0"}
     if local_copies != "default":
         env["SMFREE_LOCAL_COPIES"] = local_copies
     results = COPY_ENGINE.run(_every_path_held, 2, timeout=300, env=env)
