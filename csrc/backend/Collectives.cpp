@@ -294,32 +294,48 @@ CollectivePlan planBroadcast(const std::vector<at::Tensor>& tensors, int root, i
   return plan;
 }
 
+namespace {
+
+// Gather (`gathering`) and scatter: this rank's one tensor, `mine`, against the root's list of a
+// piece per rank, `lists` (empty elsewhere). The root keeps its own piece and moves the others
+// in (gather) or out (scatter); every other rank moves `mine` to or from the root.
+void planRooted(CollectivePlan& plan, const std::vector<std::vector<at::Tensor>>& lists,
+                const at::Tensor& mine, int root, int rank, int size, bool gathering) {
+  checkRoot(root, size, plan.op);
+  checkTensor(mine, mine, plan.op, gathering ? "the input" : "the output");
+  const char* listed = gathering ? "outputs" : "inputs";
+  std::vector<Piece>& out = gathering ? plan.sends : plan.recvs;
+  std::vector<Piece>& in = gathering ? plan.recvs : plan.sends;
+  if (rank != root) {
+    TORCH_CHECK_VALUE(lists.empty() || (lists.size() == 1 && lists[0].empty()), "smfree: ",
+                      plan.op, ": only the root (rank ", root, ") takes ", listed);
+    out.push_back({root, mine});
+    return;
+  }
+  checkCount(lists.size(), 1, plan.op,
+             c10::str(listed, " list at the root (one device per rank)").c_str());
+  checkCount(lists[0].size(), static_cast<size_t>(size), plan.op,
+             c10::str(listed, " at the root").c_str());
+  for (int peer = 0; peer < size; ++peer) {
+    const at::Tensor& piece = lists[0][peer];
+    checkTensor(piece, mine, plan.op, gathering ? "an output" : "an input");
+    checkSameNumel(piece, mine.numel(), plan.op, gathering ? "an output" : "an input");
+    if (peer == rank) {
+      keep(plan, rank, gathering ? mine : piece, gathering ? piece : mine);
+    } else {
+      in.push_back({peer, piece});
+    }
+  }
+}
+
+}  // namespace
+
 CollectivePlan planGather(const std::vector<std::vector<at::Tensor>>& outputs,
                           const std::vector<at::Tensor>& inputs, int root, int rank, int size) {
   CollectivePlan plan{"gather", Collective::kGather, c10d::OpType::GATHER};
   checkCount(inputs.size(), 1, plan.op, "input tensor (one device per rank)");
-  checkRoot(root, size, plan.op);
-  const at::Tensor& input = inputs[0];
-  checkTensor(input, input, plan.op, "the input");
-  if (rank != root) {
-    TORCH_CHECK_VALUE(outputs.empty() || (outputs.size() == 1 && outputs[0].empty()),
-                      "smfree: gather: only the root (rank ", root, ") takes outputs");
-    plan.sends.push_back({root, input});
-    return plan;
-  }
-  checkCount(outputs.size(), 1, plan.op, "output list at the root (one device per rank)");
-  checkCount(outputs[0].size(), static_cast<size_t>(size), plan.op, "output tensors at the root");
-  for (int peer = 0; peer < size; ++peer) {
-    const at::Tensor& piece = outputs[0][peer];
-    checkTensor(piece, input, plan.op, "an output");
-    checkSameNumel(piece, input.numel(), plan.op, "an output");
-    if (peer == rank) {
-      keep(plan, rank, input, piece);
-    } else {
-      plan.recvs.push_back({peer, piece});
-    }
-  }
-  plan.outputs = outputs[0];
+  planRooted(plan, outputs, inputs[0], root, rank, size, true);
+  if (rank == root) plan.outputs = outputs[0];
   return plan;
 }
 
@@ -328,28 +344,8 @@ CollectivePlan planScatter(const std::vector<at::Tensor>& outputs,
                            int size) {
   CollectivePlan plan{"scatter", Collective::kScatter, c10d::OpType::SCATTER};
   checkCount(outputs.size(), 1, plan.op, "output tensor (one device per rank)");
-  checkRoot(root, size, plan.op);
-  const at::Tensor& output = outputs[0];
-  checkTensor(output, output, plan.op, "the output");
+  planRooted(plan, inputs, outputs[0], root, rank, size, false);
   plan.outputs = outputs;
-  if (rank != root) {
-    TORCH_CHECK_VALUE(inputs.empty() || (inputs.size() == 1 && inputs[0].empty()),
-                      "smfree: scatter: only the root (rank ", root, ") takes inputs");
-    plan.recvs.push_back({root, output});
-    return plan;
-  }
-  checkCount(inputs.size(), 1, plan.op, "input list at the root (one device per rank)");
-  checkCount(inputs[0].size(), static_cast<size_t>(size), plan.op, "input tensors at the root");
-  for (int peer = 0; peer < size; ++peer) {
-    const at::Tensor& piece = inputs[0][peer];
-    checkTensor(piece, output, plan.op, "an input");
-    checkSameNumel(piece, output.numel(), plan.op, "an input");
-    if (peer == rank) {
-      keep(plan, rank, piece, output);
-    } else {
-      plan.sends.push_back({peer, piece});
-    }
-  }
   return plan;
 }
 

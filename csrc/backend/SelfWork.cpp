@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 
 #include "backend/Errors.h"
+#include "backend/WithoutGil.h"
 
 namespace smfree {
 
@@ -78,6 +79,7 @@ void SelfWork::throwIfFailed() const {
 }
 
 bool SelfWork::wait(std::chrono::milliseconds timeout) {
+  WithoutGil released;
   {
     std::unique_lock<std::mutex> lock(stateMutex_);
     if (timeout == kNoTimeout) {
@@ -106,6 +108,7 @@ void SelfWork::fenceCurrentStream() const {
 }
 
 void SelfWork::synchronize() {
+  WithoutGil released;  // as SmFreeWork::wait(): the copy's end may need another thread's GIL
   std::unique_lock<std::mutex> lock(stateMutex_);
   changed_.wait(lock, [this] { return finished_; });
   throwIfFailed();

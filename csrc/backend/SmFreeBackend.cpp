@@ -7,6 +7,7 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/ParamCommsUtils.hpp>
 
+#include "backend/CallerRelease.h"
 #include "backend/StoreAdapter.h"
 #include "backend/TensorChecks.h"
 #include "backend/WithoutGil.h"
@@ -56,7 +57,8 @@ SmFreeBackend::~SmFreeBackend() {
     std::lock_guard<std::mutex> lock(innerMutex_);
     inners_.clear();
   }
-  group_.reset();
+  group_.reset();  // ends the group's ops: what they held comes back here
+  CallerRelease::drain();
 }
 
 c10::intrusive_ptr<c10d::Backend::Options> SmFreeBackend::getBackendOptions() {
@@ -134,6 +136,7 @@ SmFreeBackend::PreparedOp SmFreeBackend::prepare(engine::OpKind kind,
                                                  const c10::intrusive_ptr<SmFreeWork>& batch,
                                                  const char* collective) {
   const char* op = collective ? collective : opName(kind, peer);
+  CallerRelease::drain();
   checkOpen(op);
   at::Tensor& tensor = checkP2PTensor(tensors, op);
   if (!collective) checkTag(tag, op);
@@ -202,13 +205,20 @@ SmFreeBackend::PreparedOp SmFreeBackend::prepare(engine::OpKind kind,
   // The storage, not the tensor: Megatron frees a sent activation right after isend by
   // swapping its `.data`, which would hand the bytes back to the allocator mid-transfer.
   request.keepalive = std::make_shared<c10::Storage>(tensor.storage());
-  request.onComplete = [work, batch, cpuWaited](const engine::Status& status, int source) {
-    work->onOpDone(status, source, cpuWaited, work->label());
-    if (batch) batch->onOpDone(status, source, cpuWaited, work->label());
+  // The engine's thread drops these callbacks, and with them maybe the Works' last references.
+  struct Reports {
+    c10::intrusive_ptr<SmFreeWork> work;
+    c10::intrusive_ptr<SmFreeWork> batch;
+  };
+  auto reports = CallerRelease::hold(Reports{work, batch});
+  request.onComplete = [reports, cpuWaited](const engine::Status& status, int source) {
+    const WorkLabel& label = reports->work->label();
+    reports->work->onOpDone(status, source, cpuWaited, label);
+    if (reports->batch) reports->batch->onOpDone(status, source, cpuWaited, label);
   };
   if (peer == engine::kAnySource) {
     // wait() on a CUDA recv may return before the recv ends; its source is known by then.
-    request.onMatched = [work](int source) { work->onMatched(source); };
+    request.onMatched = [reports](int source) { reports->work->onMatched(source); };
   }
   if (batch) batch->expectOp(cpuWaited);
   return PreparedOp{std::move(request), work, cpuWaited, nullptr};
@@ -269,6 +279,7 @@ void SmFreeBackend::startCoalescing() {
 }
 
 c10::intrusive_ptr<c10d::Work> SmFreeBackend::endCoalescing() {
+  CallerRelease::drain();
   Batch batch;
   {
     std::lock_guard<std::mutex> lock(coalescingMutex_);

@@ -10,7 +10,9 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 
+#include "backend/CallerRelease.h"
 #include "backend/Errors.h"
+#include "backend/WithoutGil.h"
 #include "engine/Error.h"
 
 namespace smfree {
@@ -196,6 +198,10 @@ void SmFreeWork::checkPosted() const {
 }
 
 bool SmFreeWork::wait(std::chrono::milliseconds timeout) {
+  CallerRelease::drain();
+  // Whatever may still take the GIL meanwhile (a Work's last reference dropped by a thread that
+  // CallerRelease does not cover, a future's Python callback) must not wait for this wait.
+  WithoutGil released;
   {
     std::lock_guard<std::mutex> lock(stateMutex_);
     checkPosted();
@@ -296,6 +302,7 @@ void SmFreeWork::waitCpuWaitedOps() {
 }
 
 void SmFreeWork::synchronize() {
+  WithoutGil released;  // as in wait(); torch binds synchronize() with the GIL held
   {
     std::lock_guard<std::mutex> lock(stateMutex_);
     checkPosted();

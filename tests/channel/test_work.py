@@ -184,3 +184,33 @@ def test_send_buffer_may_be_overwritten_once_wait_returns(cuda_channel):
     rounds = 4
     seen = cuda_channel.run(_overwrite_after_wait, 2, 16 << 20, rounds)[1]
     assert seen == [(float(r + 1), float(r + 1)) for r in range(rounds)], seen
+
+
+def _synchronize_a_batch_whose_send_ends_first(rank, world):
+    dev = rank_device(rank)
+    peer = 1 - rank
+    store = dist.distributed_c10d._get_default_store()
+    got = torch.zeros(8, device=dev)
+    if rank == 0:
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.ones(8, device=dev), peer),
+                                        dist.P2POp(dist.irecv, got, peer)])
+        store.set("posted", "1")
+        # torch binds synchronize() without releasing the GIL; the batch's send ends while it
+        # waits, and the engine then drops the send's own Work, its last reference.
+        for work in works:
+            work.synchronize()
+    else:
+        store.wait(["posted"])
+        dist.irecv(torch.zeros(8, device=dev), peer).wait()
+        synchronize(dev)
+        time.sleep(0.3)  # rank 0's send has ended; its recv is still to come
+        dist.isend(torch.full((8,), 2.0, device=dev), peer).wait()
+    synchronize(dev)
+    return got.tolist()
+
+
+def test_synchronize_on_a_batch_lets_the_engine_finish_its_other_ops(channel):
+    """The engine's thread may need the GIL to let go of a finished op's Work (a tensor's last C++
+    reference); synchronize() must not hold it while it waits on that thread."""
+    results = channel.run(_synchronize_a_batch_whose_send_ends_first, 2, timeout=60)
+    assert results[0] == [2.0] * 8
