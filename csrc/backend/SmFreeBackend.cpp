@@ -354,15 +354,18 @@ c10::intrusive_ptr<c10d::Work> SmFreeBackend::runOnCopyEngines(CollectivePlan pl
       plan.outputs.empty() ? plan.sends.front().tensor : plan.outputs.front();
   bindDevice(sample, plan.op);
   copyEngineCollectives_.fetch_add(1, std::memory_order_relaxed);
-  WorkLabel label{engine::OpKind::kSend, getRank(), engine::kAnySource, engine::kCollectiveTag,
-                  plan.bytes(), groupName_, plan.op};
-  Batch batch;
-  batch.work = c10::make_intrusive<SmFreeWork>(plan.type, label, plan.outputs);
-  // Inside a coalescing block its ops join the block's, posted when the block ends.
+  // Inside a coalescing block its ops join the block's, posted when the block ends, and the
+  // block's Work is the call's.
   c10::intrusive_ptr<SmFreeWork> block;
   {
     std::lock_guard<std::mutex> lock(coalescingMutex_);
     if (batch_) block = batch_->work;
+  }
+  Batch batch;
+  if (!block) {
+    WorkLabel label{engine::OpKind::kSend, getRank(), engine::kAnySource,
+                    engine::kCollectiveTag, plan.bytes(), groupName_, plan.op};
+    batch.work = c10::make_intrusive<SmFreeWork>(plan.type, label, plan.outputs);
   }
   const c10::intrusive_ptr<SmFreeWork>& reportTo = block ? block : batch.work;
   try {
