@@ -19,6 +19,11 @@ class CallerRelease {
     return std::shared_ptr<Refs>(new Refs(std::move(refs)),
                                  [](Refs* held) { handBack([held] { delete held; }); });
   }
+  // Hands `refs` back at once, for the next drain() to drop.
+  template <typename Refs>
+  static void handBackNow(Refs refs) {
+    hold(std::move(refs));
+  }
   // Drops what was handed back. On a caller's thread, with or without the GIL.
   static void drain();
 

@@ -5,6 +5,7 @@
 
 #include <cstring>
 
+#include "backend/CallerRelease.h"
 #include "backend/TensorChecks.h"
 #include "engine/Error.h"
 #include "engine/Log.h"
@@ -254,6 +255,8 @@ void SelfExchange::watch() {
     lock.unlock();
     for (const auto& op : expired) expire(*op, now);
     for (const InFlight& copy : copied) finishCopied(copy);
+    // Their Works may hold tensors' last C++ references: not dropped here (CallerRelease).
+    CallerRelease::handBackNow(std::make_pair(std::move(expired), std::move(copied)));
     lock.lock();
   }
 }
