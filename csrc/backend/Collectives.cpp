@@ -7,6 +7,9 @@
 #include <numeric>
 #include <sstream>
 
+#include "engine/Config.h"
+#include "engine/Error.h"
+
 namespace smfree {
 namespace {
 
@@ -140,13 +143,12 @@ const char* settingName(Collective collective) {
 
 int64_t collectiveMinBytes() {
   static const int64_t bytes = [] {
-    const char* env = std::getenv("SMFREE_COLLECTIVE_MIN_BYTES");
-    if (!env || !*env) return kDefaultMinBytes;
-    char* end = nullptr;
-    const long long value = std::strtoll(env, &end, 10);
-    TORCH_CHECK_VALUE(*end == '\0' && value >= 0, "smfree: SMFREE_COLLECTIVE_MIN_BYTES='", env,
-                      "' is not a non-negative integer");
-    return static_cast<int64_t>(value);
+    try {
+      return static_cast<int64_t>(
+          engine::parseNonNegative("SMFREE_COLLECTIVE_MIN_BYTES", kDefaultMinBytes));
+    } catch (const engine::Error& error) {
+      C10_THROW_ERROR(ValueError, error.what());
+    }
   }();
   return bytes;
 }

@@ -35,19 +35,6 @@ cuda::LocalCopies parseLocalCopies(const char* text) {
   fail("SMFREE_LOCAL_COPIES='", value, "' is not one of driver, peer_gpu, host");
 }
 
-long parseNonNegative(const char* name, long fallback) {
-  const char* text = std::getenv(name);
-  if (!text || !*text) {
-    return fallback;
-  }
-  char* end = nullptr;
-  const long value = std::strtol(text, &end, 10);
-  if (*end != '\0' || value < 0) {
-    fail(name, "='", text, "' is not a non-negative integer");
-  }
-  return value;
-}
-
 // A count that must lie in [low, high].
 size_t parseBetween(const char* name, long fallback, long low, long high) {
   const long value = parseNonNegative(name, fallback);
@@ -68,6 +55,19 @@ std::optional<long> parseLocalRanks() {
 }
 
 }  // namespace
+
+long parseNonNegative(const char* name, long fallback) {
+  const char* text = std::getenv(name);
+  if (!text || !*text) {
+    return fallback;
+  }
+  char* end = nullptr;
+  const long value = std::strtol(text, &end, 10);
+  if (*end != '\0' || value < 0) {
+    fail(name, "='", text, "' is not a non-negative integer");
+  }
+  return value;
+}
 
 Config Config::fromEnv() {
   Config config;

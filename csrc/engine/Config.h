@@ -61,4 +61,8 @@ struct Config {
   static Config fromEnv();
 };
 
+// The integer setting `name` holds, `fallback` where unset or empty; throws Error naming it if
+// it is not a non-negative integer.
+long parseNonNegative(const char* name, long fallback);
+
 }  // namespace smfree::engine
