@@ -293,6 +293,31 @@ def test_cuda_self_copy_follows_both_streams(send_first):
     assert run_ranks(_stream_order, 2, send_first, cuda=True, timeout=180) == [True, True]
 
 
+# One chunk, two in turn, and many with a short last one: a copy within one GPU goes through
+# its bounce in chunks past 2 MiB, neighbouring chunks' hops on two streams (cuda/Copies.h).
+CHUNKINGS = [4, 2 << 20, (2 << 20) + 4, (17 << 20) + 12, (129 << 20) + 4]
+
+
+def _self_copies_of_every_chunking(rank, world):
+    device = torch.device("cuda", rank)
+    wrong = []
+    for size in CHUNKINGS:
+        mine = torch.arange(size // 4, dtype=torch.int32, device=device) * (rank + 3) + size
+        got = torch.full_like(mine, -1)
+        works = [dist.irecv(got, rank), dist.isend(mine, rank)]
+        for work in works:
+            work.wait()
+        if not torch.equal(got, mine):
+            index = int((got != mine).nonzero()[0])
+            wrong.append(f"{size} B: differs first at int32 {index}")
+    return wrong
+
+
+@pytest.mark.gpu
+def test_cuda_self_copies_of_every_chunking():
+    assert run_ranks(_self_copies_of_every_chunking, 2, cuda=True) == [[], []]
+
+
 def _self_ops_launch_no_kernels(rank, world):
     device = torch.device("cuda", rank)
     mine = torch.ones(1 << 22, device=device)

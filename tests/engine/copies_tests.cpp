@@ -1,5 +1,6 @@
 // Where copies go: a copy within one GPU bounces only where SMFREE_LOCAL_COPIES says so, and
-// never one that crosses a device boundary; bounces come in powers of two from 1 to 16 MiB.
+// never one that crosses a device boundary; bounces come in powers of two from 1 to 16 MiB, and
+// 32 MiB for a copy past one chunk, whose two lanes take a half each.
 
 #include "engine/cuda/Copies.h"
 
@@ -28,12 +29,17 @@ TEST(copiesBounceOnlyWithinOneGpu, "copies: within one GPU bounce as the setting
   cuda::setLocalCopies(LocalCopies::kDriver);
 }
 
-TEST(bouncesInPowersOfTwo, "copies: a bounce is a power of two from 1 MiB to 16 MiB") {
-  CHECK(cuda::bounceBytesFor(4) == 1ull << 20);
-  CHECK(cuda::bounceBytesFor(1ull << 20) == 1ull << 20);
-  CHECK(cuda::bounceBytesFor((1ull << 20) + 1) == 2ull << 20);
-  CHECK(cuda::bounceBytesFor(3ull << 20) == 4ull << 20);
-  CHECK(cuda::bounceBytesFor(256ull << 20) == cuda::kMaxBounceBytes);
+TEST(bouncesInPowersOfTwo, "copies: a bounce is a power of two from 1 to 16 MiB; 32 past it") {
+  constexpr uint64_t kMiB = 1ull << 20;
+  CHECK(cuda::bounceBytesFor(4) == kMiB);
+  CHECK(cuda::bounceBytesFor(kMiB) == kMiB);
+  CHECK(cuda::bounceBytesFor(kMiB + 1) == 2 * kMiB);
+  CHECK(cuda::bounceBytesFor(3 * kMiB) == 4 * kMiB);
+  CHECK(cuda::bounceBytesFor(cuda::kChunkBytes) == cuda::kChunkBytes);
+  // Past one chunk, two lanes of chunks take a half each.
+  CHECK(cuda::bounceBytesFor(cuda::kChunkBytes + 1) == 2 * cuda::kChunkBytes);
+  CHECK(cuda::bounceBytesFor(256 * kMiB) == cuda::kMaxBounceBytes);
+  CHECK(cuda::kMaxBounceBytes == 2 * cuda::kChunkBytes);
 }
 
 }  // namespace

@@ -70,8 +70,9 @@ BouncePool& pool() {
 }  // namespace
 
 uint64_t bounceBytesFor(uint64_t bytes) {
+  if (bytes > kChunkBytes) return kMaxBounceBytes;
   uint64_t size = 1ull << 20;
-  while (size < bytes && size < kMaxBounceBytes) size *= 2;
+  while (size < bytes) size *= 2;
   return size;
 }
 
