@@ -285,11 +285,16 @@ c10::intrusive_ptr<c10d::Work> SmFreeBackend::endCoalescing() {
 }
 
 void SmFreeBackend::postBatch(Batch& batch) {
-  // Its recvs first: a captured send posted after its recv copies straight into the recv's
-  // buffer (CapturedChannel.h), and a batch's ops have no order among themselves.
-  std::stable_partition(batch.ops.begin(), batch.ops.end(), [](const PreparedOp& op) {
-    return !op.self && op.request.kind == engine::OpKind::kRecv;
-  });
+  // A batch's ops have no order among themselves. Its recvs go first: a captured send posted
+  // after its recv copies straight into the recv's buffer (CapturedChannel.h). Its ops to the
+  // rank itself go last, in their order: their copy is queued on the current stream at once,
+  // and a send posted after it would wait for it there before leaving.
+  const auto place = [](const PreparedOp& op) {
+    if (op.self) return 2;
+    return op.request.kind == engine::OpKind::kRecv ? 0 : 1;
+  };
+  std::stable_sort(batch.ops.begin(), batch.ops.end(),
+                   [&](const PreparedOp& a, const PreparedOp& b) { return place(a) < place(b); });
   for (size_t i = 0; i < batch.ops.size(); ++i) {
     try {
       post(batch.ops[i], batch.work);

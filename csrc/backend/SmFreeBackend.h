@@ -122,7 +122,7 @@ class SmFreeBackend final : public c10d::Backend {
   PreparedOp prepareSelf(const WorkLabel& label, const at::Tensor& tensor,
                          const c10::intrusive_ptr<SmFreeWork>& batch);
   void post(PreparedOp& op, const c10::intrusive_ptr<SmFreeWork>& batch);
-  // Posts a batch's ops, its recvs first, and seals its Work.
+  // Posts a batch's ops, its recvs first and its ops to this rank last, and seals its Work.
   void postBatch(Batch& batch);
   // Whether this call of a collective runs on the copy engines (Collectives.h): SMFREE_COLLECTIVES
   // names it, its tensors are CUDA tensors, every other rank is reached through copy engines,
