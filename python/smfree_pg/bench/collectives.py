@@ -7,7 +7,11 @@
   piece per pair of ranks (input and output are world x size, piece r to or from rank r).
   Either way every call moves world x (world - 1) x size bytes between GPUs.
 - floor: the same pieces moved by bare peer copies (`dst.copy_(src)`, one stream per pair of
-  GPUs), all GPUs driven from rank 0's process: what the copy engines do with no handshake.
+  GPUs), all GPUs driven from rank 0's process: what the copy engines do with no handshake. A
+  rank's own piece (out of place, all-to-all) is a copy within its GPU, which the CUDA 13.0
+  driver runs on SMs: the floor moves it as its two copy-engine hops through the next GPU, both
+  under way at once (the first into that GPU, the second out of a copy already there), which is
+  what a bounce whose chunks overlap tends to.
 - GEMM: the overlap section's GEMM loop while a side stream loops each collective at
   `--collectives-overlap-size`, about `--overlap-bytes` out of each rank; the GEMM's slowdown.
 """
@@ -140,18 +144,29 @@ def measure_calls(ctx: Ctx, op: str, size: int, args) -> dict:
 
 def floor_copies(op: str, size: int, devices: list[int]):
     """The op's pieces between other GPUs as peer copies, each pair on streams of its own, in
-    alltoall.schedule's order; and every GPU's output."""
+    alltoall.schedule's order, then each own piece's two hops; and every GPU's output."""
     world, n = len(devices), size // 4
     gpus = [torch.device("cuda", index) for index in devices]
     inputs = [make_input(op, s, world, n, gpus[s]) for s in range(world)]
     outs = [torch.zeros(world * n, dtype=torch.int32, device=gpu) for gpu in gpus]
+
+    def piece_of(s: int, d: int) -> torch.Tensor:
+        return inputs[s] if op != ALL_TO_ALL else inputs[s][d * n:(d + 1) * n]
+
+    def copy(src: torch.Tensor, dst: torch.Tensor) -> PeerCopy:
+        return PeerCopy(src, dst, torch.cuda.Stream(src.device), torch.cuda.Stream(dst.device))
+
     copies = []
     for step in range(world - 1):
         for s in range(world):
             d = schedule(s, world)[step][0]
-            src = inputs[s] if op != ALL_TO_ALL else inputs[s][d * n:(d + 1) * n]
-            copies.append(PeerCopy(src, outs[d][s * n:(s + 1) * n],
-                                   torch.cuda.Stream(gpus[s]), torch.cuda.Stream(gpus[d])))
+            copies.append(copy(piece_of(s, d), outs[d][s * n:(s + 1) * n]))
+    if op != IN_PLACE:
+        for d in range(world):
+            via = gpus[(d + 1) % world]
+            own = piece_of(d, d)
+            copies.append(copy(own, torch.empty_like(own, device=via)))
+            copies.append(copy(own.to(via), outs[d][d * n:(d + 1) * n]))
     return copies, outs
 
 
@@ -168,9 +183,9 @@ def measure_floor(ctx: Ctx, op: str, size: int, args):
     seconds = [time_peer_copies(copies, args.collectives_iters)
                for _ in range(args.collectives_reps)]
     for d, out in enumerate(outs):
-        # A rank's own piece is no peer copy: the floor leaves it out.
-        others = [s for s in range(ctx.world) if s != d]
-        if error := wrong_piece(op, out, d, ctx.world, others, f"floor {op} into GPU {d}"):
+        # In place, a rank's own piece is where it belongs already: nothing moves it.
+        senders = [s for s in range(ctx.world) if op != IN_PLACE or s != d]
+        if error := wrong_piece(op, out, d, ctx.world, senders, f"floor {op} into GPU {d}"):
             return None, error
     return figure(seconds, size, ctx.world), None
 
@@ -258,7 +273,9 @@ def run(ctx: Ctx, args) -> dict:
                                     "between GPUs; 1 GB = 1e9 B",
                   "paired": "smfree time / NCCL time in each rep, their median and spread",
                   "floor": "the same pieces between GPUs as bare peer copies from rank 0's "
-                           "process, one stream per pair (own pieces left out); null: skipped",
+                           "process, one stream per pair; an own piece (out of place, "
+                           "all-to-all) as its two hops through the next GPU at once; null: "
+                           "skipped",
                   "gemm": "per op and rank: ms per GEMM alone and under each backend's calls; "
                           "slowdown_pct in %; transfer_GBps: bytes out of a rank / traffic time"},
         "rows": rows,
@@ -285,7 +302,8 @@ def print_section(section: dict) -> None:
     print(format_table(["op", "size", "smfree µs", "NCCL µs", "smfree/NCCL", "floor µs",
                         "smfree/floor", "smfree GB/s", "NCCL GB/s", "floor GB/s"], rows))
     print(f"GB/s: {world} x {world - 1} x size / µs per call; smfree/NCCL: median over rounds of "
-          "the ratio in the same round; floor: bare peer copies of the same pieces")
+          "the ratio in the same round; floor: bare peer copies of the same pieces, an own piece "
+          "as its two hops through the next GPU at once")
     if section["floor_skipped"]:
         print(f"floor skipped: {section['floor_skipped']}")
     print(f"\nCollectives under GEMM: bf16 GEMM {section['gemm_n']}^3 x {section['gemms']} while "
