@@ -133,8 +133,11 @@ def _collect(results, procs, world_size, timeout, expect_exit, tmp):
             stacks = _dump_stacks(procs, tmp)
             for proc in procs:
                 proc.kill()
+            # A rank that failed first is often why the others wait: its error comes first.
+            failed = "".join(f"--- rank {r.rank} failed first:\n{r.error}\n"
+                             for r in sorted(collected.values(), key=lambda r: r.rank) if r.error)
             raise AssertionError(
-                f"ranks {missing} did not finish within {timeout} s (killed)\n{stacks}")
+                f"ranks {missing} did not finish within {timeout} s (killed)\n{failed}{stacks}")
         try:
             result = results.get(timeout=min(remaining, 1.0))
             collected[result.rank] = result
