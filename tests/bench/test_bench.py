@@ -116,23 +116,52 @@ def test_collectives_options_parse_and_are_checked(capsys):
     assert "--collectives-iters must be at least 1" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("op", ["all_gather_into_tensor", "all_to_all_single"])
+@pytest.mark.parametrize("op", ["all_gather_into_tensor", "all_to_all_single",
+                                "all_to_all_single uneven"])
 def test_collectives_check_finds_a_misplaced_piece(op):
     import torch
 
-    from smfree_pg.bench.collectives import make_input, wrong_piece
+    from smfree_pg.bench.collectives import Layout, make_input, wrong_piece
 
-    # What the op leaves on each rank, built by hand from every rank's input.
+    # What the op leaves on each rank, built by hand from every rank's input: an all-gather's
+    # input whole, an all-to-all's pieces cut at its split sizes.
     world, n, cpu = 3, 8, torch.device("cpu")
-    inputs = [make_input(op, rank, world, n, cpu) for rank in range(world)]
-    outs = [torch.cat([inp if op == "all_gather_into_tensor" else inp[r * n:(r + 1) * n]
-                       for inp in inputs]) for r in range(world)]
+    layout = Layout(op, world, n)
+    inputs = [make_input(layout, rank, cpu) for rank in range(world)]
+    if op == "all_gather_into_tensor":
+        outs = [torch.cat(inputs) for _ in range(world)]
+    else:
+        cut = [inp.split(layout.splits(rank)[1] or n) for rank, inp in enumerate(inputs)]
+        outs = [torch.cat([pieces[r] for pieces in cut]) for r in range(world)]
     for rank, out in enumerate(outs):
-        assert wrong_piece(op, out, rank, world, range(world), "test") is None
-    # Rank 2's output with rank 1's piece where rank 0's should be.
-    outs[2][:n] = outs[2][n:2 * n]
-    assert "piece from rank 0" in wrong_piece(op, outs[2], 2, world, range(world), "test")
-    assert wrong_piece(op, outs[2], 2, world, [1, 2], "test") is None
-    if op == "all_to_all_single":
+        assert wrong_piece(layout, out, rank, range(world), "test") is None
+    # Rank 2's output with the first int32 of rank 1's piece where rank 0's should be.
+    outs[2][0] = outs[2][layout.out_offset(1, 2)]
+    assert "piece from rank 0" in wrong_piece(layout, outs[2], 2, range(world), "test")
+    assert wrong_piece(layout, outs[2], 2, [1, 2], "test") is None
+    if op != "all_gather_into_tensor":
         # Every rank's pieces differ by destination: rank 0's output does not pass as rank 1's.
-        assert wrong_piece(op, outs[0], 1, world, range(world), "test") is not None
+        assert wrong_piece(layout, outs[0][:outs[1].numel()], 1, range(world), "test") is not None
+
+
+def test_uneven_all_to_all_pieces_as_an_moe_layer_sends_them():
+    import torch
+
+    from smfree_pg.bench.collectives import UNEVEN, Layout, make_input
+    from smfree_pg.bench.data import pattern
+
+    layout = Layout(UNEVEN, 2, 300)
+    assert layout.counts == [[200, 400], [400, 200]]  # 2/3 and 4/3 of the mean
+    assert layout.splits(0) == ([200, 400], [200, 400])
+    assert layout.splits(1) == ([400, 200], [400, 200])
+    assert layout.piece_bytes() == 4 * 400
+    layout = Layout(UNEVEN, 4, 1000)
+    for rank in range(4):
+        assert sorted(layout.counts[rank]) == [400, 800, 1200, 1600]
+        assert layout.in_numel(rank) == layout.out_numel(rank) == 4000
+    # Without distinct pieces, each piece is its sender's pattern from the start (the overlap
+    # check's expectation).
+    inp = make_input(layout, 1, torch.device("cpu"), distinct=False)
+    start, count = layout.in_offset(1, 3), layout.counts[1][3]
+    assert torch.equal(inp[start:start + count], pattern(1, count, torch.device("cpu")))
+    assert Layout("all_to_all_single", 4, 1000).splits(1) == (None, None)

@@ -5,7 +5,10 @@
   the slowest rank per round), the paired ratio smfree/NCCL and the aggregate GB/s.
   `size` is one piece: all-gather's input per rank (its output is world x size); all-to-all's
   piece per pair of ranks (input and output are world x size, piece r to or from rank r).
-  Either way every call moves world x (world - 1) x size bytes between GPUs.
+  Either way every call moves world x (world - 1) x size bytes between GPUs. The uneven
+  all-to-all is an MoE layer's token exchange: rank s sends rank d a piece of
+  2 x size x (1 + (s + d) % world) / (world + 1) bytes (rounded down to int32s), from 2 / (world
+  + 1) to 2 x world / (world + 1) times `size`, each rank's input `world x size` on average.
 - floor: the same pieces moved by bare peer copies (`dst.copy_(src)`, one stream per pair of
   GPUs), all GPUs driven from rank 0's process: what the copy engines do with no handshake. A
   rank's own piece (out of place, all-to-all) is a copy within its GPU, which the CUDA 13.0
@@ -39,7 +42,50 @@ DEVICES = ("cuda",)
 ALL_GATHER, ALL_TO_ALL = "all_gather_into_tensor", "all_to_all_single"
 # As FSDP2 calls it: the input is this rank's piece of the output, so no copy stays on a GPU.
 IN_PLACE = "all_gather_into_tensor in place"
-OPS = (ALL_GATHER, IN_PLACE, ALL_TO_ALL)
+# As an MoE layer's token exchange calls it: pieces of different sizes per pair of ranks.
+UNEVEN = "all_to_all_single uneven"
+OPS = (ALL_GATHER, IN_PLACE, ALL_TO_ALL, UNEVEN)
+GATHERS = (ALL_GATHER, IN_PLACE)
+
+
+class Layout:
+    """Where each piece of one call of `op` lies, for pieces of `n` int32s (on average, uneven):
+    counts[s][d] int32s from rank s to rank d, at in_offset(s, d) in s's input and at
+    out_offset(s, d) in d's output."""
+
+    def __init__(self, op: str, world: int, n: int) -> None:
+        self.op, self.world, self.n = op, world, n
+        self.counts = [[uneven_count(n, world, s, d) if op == UNEVEN else n
+                        for d in range(world)] for s in range(world)]
+
+    def in_offset(self, s: int, d: int) -> int:
+        return 0 if self.op in GATHERS else sum(self.counts[s][:d])
+
+    def out_offset(self, s: int, d: int) -> int:
+        return sum(self.counts[x][d] for x in range(s))
+
+    def in_numel(self, s: int) -> int:
+        return self.n if self.op in GATHERS else sum(self.counts[s])
+
+    def out_numel(self, d: int) -> int:
+        return sum(self.counts[s][d] for s in range(self.world))
+
+    def splits(self, rank: int):
+        """all_to_all_single's (output_split_sizes, input_split_sizes) for `rank`, or Nones."""
+        if self.op != UNEVEN:
+            return None, None
+        return ([self.counts[s][rank] for s in range(self.world)],
+                [self.counts[rank][d] for d in range(self.world)])
+
+    def piece_bytes(self) -> float:
+        """The mean bytes of a piece between two ranks (not a rank's own): figure()'s `size`."""
+        world = self.world
+        cross = sum(self.counts[s][d] for s in range(world) for d in range(world) if s != d)
+        return 4 * cross / (world * (world - 1))
+
+
+def uneven_count(n: int, world: int, s: int, d: int) -> int:
+    return 2 * n * (1 + (s + d) % world) // (world + 1)
 
 
 def add_arguments(parser) -> None:
@@ -61,39 +107,46 @@ def check_arguments(args, parser) -> None:
     at_least(parser, args, 1, "collectives_iters", "collectives_reps")
 
 
-def call(op: str, group, out: torch.Tensor, inp: torch.Tensor) -> None:
-    if op in (ALL_GATHER, IN_PLACE):
+def call(layout: Layout, rank: int, group, out: torch.Tensor, inp: torch.Tensor) -> None:
+    if layout.op in GATHERS:
         dist.all_gather_into_tensor(out, inp, group=group)
-    else:
-        dist.all_to_all_single(out, inp, group=group)
+        return
+    out_splits, in_splits = layout.splits(rank)
+    dist.all_to_all_single(out, inp, output_split_sizes=out_splits,
+                           input_split_sizes=in_splits, group=group)
 
 
-def make_input(op: str, rank: int, world: int, n: int, device, distinct: bool = True):
-    """`rank`'s input of `n` int32s per piece. All-to-all's pieces differ by destination
-    (`distinct`), so a piece sent to the wrong rank shows; without, every piece is pattern(rank),
-    what overlap_trial's check expects."""
-    if op in (ALL_GATHER, IN_PLACE):
-        return pattern(rank, n, device)
-    return pattern(rank, world * n, device) if distinct else pattern(rank, n, device).repeat(world)
+def make_input(layout: Layout, rank: int, device, distinct: bool = True) -> torch.Tensor:
+    """`rank`'s input. All-to-all's pieces differ by destination (`distinct`), so a piece sent to
+    the wrong rank shows; without, each piece is pattern(rank) of its length, what
+    overlap_trial's check expects."""
+    if layout.op in GATHERS or distinct:
+        return pattern(rank, layout.in_numel(rank), device)
+    return torch.cat([pattern(rank, count, device) for count in layout.counts[rank]])
 
 
-def expected_piece(op: str, sender: int, receiver: int, world: int, n: int, device):
-    """What `receiver`'s output holds at piece `sender` (make_input's distinct inputs)."""
-    if op in (ALL_GATHER, IN_PLACE):
-        return pattern(sender, n, device)
-    return pattern(sender, world * n, device)[receiver * n:(receiver + 1) * n]
+def expected_piece(layout: Layout, sender: int, receiver: int, device) -> torch.Tensor:
+    """What `receiver`'s output holds from `sender` (make_input's distinct inputs)."""
+    start = layout.in_offset(sender, receiver)
+    return pattern(sender, layout.in_numel(sender), device)[
+        start:start + layout.counts[sender][receiver]]
 
 
-def wrong_piece(op: str, out: torch.Tensor, receiver: int, world: int, senders, what: str):
+def piece_from(layout: Layout, out: torch.Tensor, sender: int, receiver: int) -> torch.Tensor:
+    """`sender`'s piece in `receiver`'s output `out`."""
+    start = layout.out_offset(sender, receiver)
+    return out[start:start + layout.counts[sender][receiver]]
+
+
+def wrong_piece(layout: Layout, out: torch.Tensor, receiver: int, senders, what: str):
     """None if `out`'s pieces from `senders` are right, else where the first one differs."""
-    n = out.numel() // world
     for sender in senders:
-        got, want = out[sender * n:(sender + 1) * n], expected_piece(op, sender, receiver, world,
-                                                                     n, out.device)
+        got = piece_from(layout, out, sender, receiver)
+        want = expected_piece(layout, sender, receiver, out.device)
         if not torch.equal(got, want):
             index = int((got != want).nonzero()[0])
-            return (f"{what}: piece from rank {sender} differs first at int32 {index} of {n}: "
-                    f"got {int(got[index])}, expected {int(want[index])}")
+            return (f"{what}: piece from rank {sender} differs first at int32 {index} of "
+                    f"{got.numel()}: got {int(got[index])}, expected {int(want[index])}")
     return None
 
 
@@ -115,14 +168,15 @@ def timed_loop(ctx: Ctx, step, iters: int) -> float:
 
 def measure_calls(ctx: Ctx, op: str, size: int, args) -> dict:
     """smfree's and NCCL's timed loops of `op`, taking turns round by round; checked after."""
-    n = size // 4
-    inp = make_input(op, ctx.rank, ctx.world, n, ctx.device)
-    outs = {b: torch.empty(ctx.world * n, dtype=torch.int32, device=ctx.device)
+    layout = Layout(op, ctx.world, size // 4)
+    inp = make_input(layout, ctx.rank, ctx.device)
+    outs = {b: torch.empty(layout.out_numel(ctx.rank), dtype=torch.int32, device=ctx.device)
             for b in CUDA_BACKENDS}
     ins = {}
     for backend in CUDA_BACKENDS:
         # Untimed: the first call maps buffers and builds communicators.
-        call(op, ctx.groups[backend], outs[backend], input_of(op, outs[backend], inp, ctx.rank))
+        call(layout, ctx.rank, ctx.groups[backend], outs[backend],
+             input_of(op, outs[backend], inp, ctx.rank))
         outs[backend].zero_()  # so that the check below sees what the timed calls wrote
         ins[backend] = input_of(op, outs[backend], inp, ctx.rank)
     seconds = {backend: [] for backend in CUDA_BACKENDS}
@@ -130,12 +184,13 @@ def measure_calls(ctx: Ctx, op: str, size: int, args) -> dict:
         for backend in CUDA_BACKENDS[::-1] if rep % 2 else CUDA_BACKENDS:
             group, out, piece = ctx.groups[backend], outs[backend], ins[backend]
             seconds[backend].append(timed_loop(
-                ctx, lambda: call(op, group, out, piece), args.collectives_iters))
+                ctx, lambda: call(layout, ctx.rank, group, out, piece), args.collectives_iters))
     for backend in CUDA_BACKENDS:
         where = f"rank {ctx.rank}, {op} over {backend}, {format_size(size)}"
-        error = wrong_piece(op, outs[backend], ctx.rank, ctx.world, range(ctx.world), where)
+        error = wrong_piece(layout, outs[backend], ctx.rank, range(ctx.world), where)
         raise_on_errors(gather(ctx, error), f"{op} over {backend}")
-    row = {"op": op, "bytes": size, **{b: figure(s, size, ctx.world) for b, s in seconds.items()},
+    row = {"op": op, "bytes": size,
+           **{b: figure(s, layout.piece_bytes(), ctx.world) for b, s in seconds.items()},
            "paired": paired_ratios(seconds["smfree"], seconds["nccl"])}
     log(ctx, f"{op} {format_size(size):>7}: smfree {row['smfree']['us']:9.1f} µs, NCCL "
              f"{row['nccl']['us']:9.1f} µs, smfree/NCCL {row['paired']['median']:.3f}")
@@ -145,13 +200,16 @@ def measure_calls(ctx: Ctx, op: str, size: int, args) -> dict:
 def floor_copies(op: str, size: int, devices: list[int]):
     """The op's pieces between other GPUs as peer copies, each pair on streams of its own, in
     alltoall.schedule's order, then each own piece's two hops; and every GPU's output."""
-    world, n = len(devices), size // 4
+    world = len(devices)
+    layout = Layout(op, world, size // 4)
     gpus = [torch.device("cuda", index) for index in devices]
-    inputs = [make_input(op, s, world, n, gpus[s]) for s in range(world)]
-    outs = [torch.zeros(world * n, dtype=torch.int32, device=gpu) for gpu in gpus]
+    inputs = [make_input(layout, s, gpus[s]) for s in range(world)]
+    outs = [torch.zeros(layout.out_numel(d), dtype=torch.int32, device=gpu)
+            for d, gpu in enumerate(gpus)]
 
     def piece_of(s: int, d: int) -> torch.Tensor:
-        return inputs[s] if op != ALL_TO_ALL else inputs[s][d * n:(d + 1) * n]
+        start = layout.in_offset(s, d)
+        return inputs[s][start:start + layout.counts[s][d]]
 
     def copy(src: torch.Tensor, dst: torch.Tensor) -> PeerCopy:
         return PeerCopy(src, dst, torch.cuda.Stream(src.device), torch.cuda.Stream(dst.device))
@@ -160,14 +218,14 @@ def floor_copies(op: str, size: int, devices: list[int]):
     for step in range(world - 1):
         for s in range(world):
             d = schedule(s, world)[step][0]
-            copies.append(copy(piece_of(s, d), outs[d][s * n:(s + 1) * n]))
+            copies.append(copy(piece_of(s, d), piece_from(layout, outs[d], s, d)))
     if op != IN_PLACE:
         for d in range(world):
             via = gpus[(d + 1) % world]
             own = piece_of(d, d)
             copies.append(copy(own, torch.empty_like(own, device=via)))
-            copies.append(copy(own.to(via), outs[d][d * n:(d + 1) * n]))
-    return copies, outs
+            copies.append(copy(own.to(via), piece_from(layout, outs[d], d, d)))
+    return layout, copies, outs
 
 
 def measure_floor(ctx: Ctx, op: str, size: int, args):
@@ -176,7 +234,7 @@ def measure_floor(ctx: Ctx, op: str, size: int, args):
     devices = ctx.devices
     if len(set(devices)) < ctx.world or max(devices) >= torch.cuda.device_count():
         return None, None
-    copies, outs = floor_copies(op, size, devices)
+    layout, copies, outs = floor_copies(op, size, devices)
     for index in devices:
         torch.cuda.synchronize(index)  # the zeroing ran on the default streams, the copies not
     time_peer_copies(copies, 1)  # untimed: peer access is enabled on first use
@@ -185,9 +243,9 @@ def measure_floor(ctx: Ctx, op: str, size: int, args):
     for d, out in enumerate(outs):
         # In place, a rank's own piece is where it belongs already: nothing moves it.
         senders = [s for s in range(ctx.world) if op != IN_PLACE or s != d]
-        if error := wrong_piece(op, out, d, ctx.world, senders, f"floor {op} into GPU {d}"):
+        if error := wrong_piece(layout, out, d, senders, f"floor {op} into GPU {d}"):
             return None, error
-    return figure(seconds, size, ctx.world), None
+    return figure(seconds, layout.piece_bytes(), ctx.world), None
 
 
 def add_floors(ctx: Ctx, rows: list[dict], args) -> str | None:
@@ -220,15 +278,21 @@ class CollectiveTraffic:
     `recv`, the piece from `peer` (the next rank), against pattern(peer)."""
 
     def __init__(self, ctx: Ctx, op: str, size: int, calls: int) -> None:
-        n = size // 4
-        self.op, self.calls = op, calls
-        self.inp = make_input(op, ctx.rank, ctx.world, n, ctx.device, distinct=False)
-        self.out = torch.empty(ctx.world * n, dtype=torch.int32, device=ctx.device)
+        self.layout = Layout(op, ctx.world, size // 4)
+        self.rank, self.calls = ctx.rank, calls
+        self.inp = make_input(self.layout, ctx.rank, ctx.device, distinct=False)
+        self.out = torch.empty(self.layout.out_numel(ctx.rank), dtype=torch.int32,
+                               device=ctx.device)
         self.peer = (ctx.rank + 1) % ctx.world
-        self.recv = self.out[self.peer * n:(self.peer + 1) * n]
+        self.recv = piece_from(self.layout, self.out, self.peer, ctx.rank)
         self.stream = torch.cuda.Stream(ctx.device)
         for backend in CUDA_BACKENDS:
-            call(op, ctx.groups[backend], self.out, self.inp)  # untimed
+            call(self.layout, self.rank, ctx.groups[backend], self.out, self.inp)  # untimed
+
+    def bytes_out(self) -> int:
+        """Bytes out of this rank to the others per call."""
+        counts = self.layout.counts[self.rank]
+        return 4 * sum(count for d, count in enumerate(counts) if d != self.rank)
 
     def post(self, ctx: Ctx, backend: str, after: torch.cuda.Event):
         """Posts from a thread (post_from_thread): a call may hold the CPU until bytes moved."""
@@ -236,7 +300,7 @@ class CollectiveTraffic:
 
         def calls() -> None:
             for _ in range(self.calls):
-                call(self.op, group, self.out, self.inp)
+                call(self.layout, self.rank, group, self.out, self.inp)
 
         return overlap.post_from_thread(self.stream, after, calls)
 
@@ -246,7 +310,7 @@ def measure_gemm(ctx: Ctx, op: str, matrices, args) -> dict:
     calls = traffic_chunks(args.overlap_bytes, size, ctx.world)
     traffic = CollectiveTraffic(ctx, op, size, calls)
     samples = overlap.trial_rounds(ctx, traffic, matrices, args, f"{op} GEMM")
-    bytes_out = calls * size * (ctx.world - 1)
+    bytes_out = calls * traffic.bytes_out()
     return {"op": op, "bytes": size, "calls": calls, "bytes_out_per_rank": bytes_out,
             "ranks": gather(ctx, overlap.summarize_overlap(samples, args.gemm_n, bytes_out))}
 
@@ -257,7 +321,7 @@ def run(ctx: Ctx, args) -> dict:
     rows = [measure_calls(ctx, op, size, args) for op in OPS for size in args.collectives_sizes]
     a = torch.randn(args.gemm_n, args.gemm_n, device=ctx.device, dtype=torch.bfloat16)
     matrices = (a, torch.randn_like(a), torch.empty_like(a))
-    gemm = [measure_gemm(ctx, op, matrices, args) for op in (ALL_GATHER, ALL_TO_ALL)]
+    gemm = [measure_gemm(ctx, op, matrices, args) for op in (ALL_GATHER, ALL_TO_ALL, UNEVEN)]
     # The floor comes last: it gives rank 0 a CUDA context on every rank's GPU.
     floor_skipped = add_floors(ctx, rows, args)
     return {
@@ -266,11 +330,12 @@ def run(ctx: Ctx, args) -> dict:
         "reps": args.collectives_reps,
         "smfree_collectives": os.environ.get("SMFREE_COLLECTIVES", "unset (all)"),
         "units": {"bytes": "bytes per piece: all-gather's input per rank; all-to-all's piece per "
-                           "pair of ranks (input and output are world x bytes)",
+                           "pair of ranks (input and output are world x bytes); uneven: the mean "
+                           "piece, 2 x bytes x (1 + (s + d) % world) / (world + 1) from s to d",
                   "us": "µs per call, async_op=False on the current stream, iters back to back; "
                         "median of reps, the slowest rank per rep",
-                  "GBps_aggregate": "world * (world - 1) * bytes / µs per call: what crosses "
-                                    "between GPUs; 1 GB = 1e9 B",
+                  "GBps_aggregate": "what crosses between GPUs per call / µs per call "
+                                    "(world * (world - 1) * bytes, even); 1 GB = 1e9 B",
                   "paired": "smfree time / NCCL time in each rep, their median and spread",
                   "floor": "the same pieces between GPUs as bare peer copies from rank 0's "
                            "process, one stream per pair; an own piece (out of place, "
@@ -301,7 +366,9 @@ def print_section(section: dict) -> None:
                      num(floor and floor["GBps_aggregate"])])
     print(format_table(["op", "size", "smfree µs", "NCCL µs", "smfree/NCCL", "floor µs",
                         "smfree/floor", "smfree GB/s", "NCCL GB/s", "floor GB/s"], rows))
-    print(f"GB/s: {world} x {world - 1} x size / µs per call; smfree/NCCL: median over rounds of "
+    print(f"GB/s: what crosses between GPUs ({world} x {world - 1} x size, even) / µs per call; "
+          "uneven: rank s sends rank d 2 x size x (1 + (s + d) % world) / (world + 1); "
+          "smfree/NCCL: median over rounds of "
           "the ratio in the same round; floor: bare peer copies of the same pieces, an own piece "
           "as its two hops through the next GPU at once")
     if section["floor_skipped"]:
