@@ -3,9 +3,11 @@ list, coalesced), all-to-all (equal and uneven splits, lists), broadcast, gather
 CUDA tensors between ranks of one host give NCCL's bytes, run on the copy engines (the group
 counts them), follow stream order with async_op, replay inside CUDA graphs with no kernel node,
 launch no kernel; bad calls are refused naming the op and post nothing; a rank that never joins
-fails the others' collective at the group timeout, naming it; calls with pieces under
+fails the others' collective at the group timeout, naming it; one that dies fails it within the
+failure detection's time, and later calls at once; calls with pieces under
 SMFREE_COLLECTIVE_MIN_BYTES go to NCCL."""
 
+import os
 import time
 
 import pytest
@@ -311,6 +313,43 @@ def test_a_rank_that_never_joins_fails_the_collective_at_the_group_timeout():
         assert error is not None, f"rank {rank}: the all-gather did not fail"
         assert "all_gather_into_tensor" in error and f"rank {world - 1}" in error, error
         assert 4 < elapsed < 20, elapsed
+
+
+def _one_rank_dies(rank, world):
+    dev = torch.device("cuda", rank)
+    mine = torch.ones(1 << 20, device=dev)
+    flat = torch.empty((1 << 20) * world, device=dev)
+    dist.all_gather_into_tensor(flat, mine)  # connects every rank
+    torch.cuda.synchronize()
+    dist.barrier()
+    if rank == world - 1:
+        os._exit(1)  # dies without a word before the others' next all-gather
+    errors = []
+    start = time.monotonic()
+    for _ in range(2):
+        try:
+            dist.all_gather_into_tensor(flat, mine)
+            torch.cuda.synchronize()
+            errors.append(None)
+        except RuntimeError as e:
+            errors.append(str(e))
+        errors.append(time.monotonic() - start)
+    return errors
+
+
+def test_a_rank_that_dies_fails_the_collective_within_failure_detection():
+    world = _world()
+    COPY_ENGINE.skip_unless_ranks(world)
+    results = COPY_ENGINE.run(_one_rank_dies, world, group_timeout_s=30, timeout=90,
+                              env=ALL_ON, expect_exit=(world - 1,))
+    for rank, result in enumerate(results[:-1]):
+        first, first_s, second, second_s = result
+        for error in (first, second):
+            assert error is not None, f"rank {rank}: an all-gather with a dead rank ended well"
+            assert "all_gather_into_tensor" in error, error
+            assert "its peer process" in error, error
+        assert first_s < 30, f"took {first_s:.1f} s: the group timeout, not failure detection"
+        assert second_s - first_s < 5, "the call after the death waited instead of failing"
 
 
 def _by_size(rank, world):
