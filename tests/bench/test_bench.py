@@ -116,32 +116,61 @@ def test_collectives_options_parse_and_are_checked(capsys):
     assert "--collectives-iters must be at least 1" in capsys.readouterr().err
 
 
+def _outputs_by_hand(op, layout, inputs, n):
+    """What each rank's output holds after `op`, from every rank's input, by the op's meaning."""
+    import torch
+
+    world = len(inputs)
+    if op == "all_gather_into_tensor":
+        return [torch.cat(inputs) for _ in range(world)]
+    if op == "broadcast":
+        return [inputs[0].clone() for _ in range(world)]
+    if op == "gather":
+        return [torch.cat(inputs) if r == 0 else inputs[r][:0] for r in range(world)]
+    if op == "scatter":
+        return [inputs[0].split(n)[r].clone() for r in range(world)]
+    cut = [inp.split(layout.splits(rank)[1] or n) for rank, inp in enumerate(inputs)]
+    return [torch.cat([pieces[r] for pieces in cut]) for r in range(world)]
+
+
 @pytest.mark.parametrize("op", ["all_gather_into_tensor", "all_to_all_single",
-                                "all_to_all_single uneven"])
+                                "all_to_all_single uneven", "broadcast", "gather", "scatter"])
 def test_collectives_check_finds_a_misplaced_piece(op):
     import torch
 
     from smfree_pg.bench.collectives import Layout, make_input, wrong_piece
 
-    # What the op leaves on each rank, built by hand from every rank's input: an all-gather's
-    # input whole, an all-to-all's pieces cut at its split sizes.
     world, n, cpu = 3, 8, torch.device("cpu")
     layout = Layout(op, world, n)
     inputs = [make_input(layout, rank, cpu) for rank in range(world)]
-    if op == "all_gather_into_tensor":
-        outs = [torch.cat(inputs) for _ in range(world)]
-    else:
-        cut = [inp.split(layout.splits(rank)[1] or n) for rank, inp in enumerate(inputs)]
-        outs = [torch.cat([pieces[r] for pieces in cut]) for r in range(world)]
+    outs = _outputs_by_hand(op, layout, inputs, n)
     for rank, out in enumerate(outs):
+        assert out.numel() == layout.out_numel(rank)
         assert wrong_piece(layout, out, rank, range(world), "test") is None
-    # Rank 2's output with the first int32 of rank 1's piece where rank 0's should be.
-    outs[2][0] = outs[2][layout.out_offset(1, 2)]
-    assert "piece from rank 0" in wrong_piece(layout, outs[2], 2, range(world), "test")
-    assert wrong_piece(layout, outs[2], 2, [1, 2], "test") is None
-    if op != "all_gather_into_tensor":
-        # Every rank's pieces differ by destination: rank 0's output does not pass as rank 1's.
-        assert wrong_piece(layout, outs[0][:outs[1].numel()], 1, range(world), "test") is not None
+    # The receiver's first piece from rank 0 with one int32 of another sender's (or a wrong one).
+    receiver = 2 if op != "gather" else 0
+    other = 1 if op not in ("broadcast", "scatter") else None
+    wrong = outs[receiver][layout.out_offset(other, receiver)] if other else 12345
+    outs[receiver][layout.out_offset(0, receiver)] = wrong
+    assert "piece from rank 0" in wrong_piece(layout, outs[receiver], receiver, range(world), "t")
+    assert wrong_piece(layout, outs[receiver], receiver, range(1, world), "test") is None
+    if op not in ("all_gather_into_tensor", "broadcast", "gather"):
+        # Pieces differ by destination: rank 0's output does not pass as rank 1's.
+        assert wrong_piece(layout, outs[0][:outs[1].numel()], 1, range(world), "t") is not None
+
+
+def test_collectives_ops_option_takes_short_names(capsys):
+    from smfree_pg.bench.cli import parse_args
+    from smfree_pg.bench.collectives import OPS
+    from smfree_pg.bench.sections import SECTIONS
+
+    args = parse_args(SECTIONS, "bench", ["--only", "collectives"])
+    assert args.collectives_ops == list(OPS)
+    args = parse_args(SECTIONS, "bench", ["--collectives-ops", "all_to_all_uneven, scatter"])
+    assert args.collectives_ops == ["all_to_all_single uneven", "scatter"]
+    with pytest.raises(SystemExit):
+        parse_args(SECTIONS, "bench", ["--collectives-ops", "all_gather,reduce"])
+    assert "unknown op(s) reduce" in capsys.readouterr().err
 
 
 def test_uneven_all_to_all_pieces_as_an_moe_layer_sends_them():
@@ -165,3 +194,26 @@ def test_uneven_all_to_all_pieces_as_an_moe_layer_sends_them():
     start, count = layout.in_offset(1, 3), layout.counts[1][3]
     assert torch.equal(inp[start:start + count], pattern(1, count, torch.device("cpu")))
     assert Layout("all_to_all_single", 4, 1000).splits(1) == (None, None)
+
+
+def _every_op_as_the_bench_calls_it(rank, world):
+    import torch
+
+    from smfree_pg.bench.collectives import OPS, Layout, call, input_of, make_input, wrong_piece
+
+    errors = []
+    for op in OPS:
+        layout = Layout(op, world, 6)
+        out = torch.full((layout.out_numel(rank),), -1, dtype=torch.int32)
+        call(layout, rank, torch.distributed.group.WORLD, out,
+             input_of(op, out, make_input(layout, rank, torch.device("cpu")), rank))
+        errors.append(wrong_piece(layout, out, rank, range(world), op))
+    return errors
+
+
+def test_the_bench_calls_each_collective_as_its_layout_says():
+    """Over smfree on CPU tensors (Gloo underneath): each op's call, with its split sizes and
+    lists, leaves what the bench's check expects."""
+    from harness import run_ranks
+
+    assert run_ranks(_every_op_as_the_bench_calls_it, 3) == [[None] * 7] * 3

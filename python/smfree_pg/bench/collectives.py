@@ -1,14 +1,17 @@
 """Collectives: smfree's copy-engine collectives (SMFREE_COLLECTIVES) against NCCL's, every rank.
 
-- calls: all_gather_into_tensor and all_to_all_single as users call them (async_op=False, on
-  the current stream), `--collectives-iters` back to back; µs per call (median of the rounds,
-  the slowest rank per round), the paired ratio smfree/NCCL and the aggregate GB/s.
+- calls: all_gather_into_tensor, all_to_all_single, broadcast, gather and scatter
+  (`--collectives-ops`) as users call them (async_op=False, on the current stream),
+  `--collectives-iters` back to back; µs per call (median of the rounds, the slowest rank per
+  round), the paired ratio smfree/NCCL and the aggregate GB/s.
   `size` is one piece: all-gather's input per rank (its output is world x size); all-to-all's
   piece per pair of ranks (input and output are world x size, piece r to or from rank r).
   Either way every call moves world x (world - 1) x size bytes between GPUs. The uneven
   all-to-all is an MoE layer's token exchange: rank s sends rank d a piece of
   2 x size x (1 + (s + d) % world) / (world + 1) bytes (rounded down to int32s), from 2 / (world
   + 1) to 2 x world / (world + 1) times `size`, each rank's input `world x size` on average.
+  Broadcast, gather and scatter are rooted at rank 0 and move (world - 1) x size bytes between
+  GPUs; gather's and scatter's lists are views of one tensor.
 - floor: the same pieces moved by bare peer copies (`dst.copy_(src)`, one stream per pair of
   GPUs), all GPUs driven from rank 0's process: what the copy engines do with no handshake. A
   rank's own piece (out of place, all-to-all) is a copy within its GPU, which the CUDA 13.0
@@ -21,6 +24,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -44,8 +48,30 @@ ALL_GATHER, ALL_TO_ALL = "all_gather_into_tensor", "all_to_all_single"
 IN_PLACE = "all_gather_into_tensor in place"
 # As an MoE layer's token exchange calls it: pieces of different sizes per pair of ranks.
 UNEVEN = "all_to_all_single uneven"
-OPS = (ALL_GATHER, IN_PLACE, ALL_TO_ALL, UNEVEN)
+# Rooted at rank 0; gather's and scatter's lists are views of one tensor.
+BROADCAST, GATHER, SCATTER = "broadcast", "gather", "scatter"
+OPS = (ALL_GATHER, IN_PLACE, ALL_TO_ALL, UNEVEN, BROADCAST, GATHER, SCATTER)
+# --collectives-ops's names for them.
+OP_NAMES = {"all_gather": ALL_GATHER, "all_gather_in_place": IN_PLACE, "all_to_all": ALL_TO_ALL,
+            "all_to_all_uneven": UNEVEN, "broadcast": BROADCAST, "gather": GATHER,
+            "scatter": SCATTER}
 GATHERS = (ALL_GATHER, IN_PLACE)
+# A sender's input goes whole to every receiver.
+WHOLE_INPUT = (ALL_GATHER, IN_PLACE, BROADCAST)
+# The sender's own piece is where it belongs already: nothing copies it.
+NO_OWN_COPY = (IN_PLACE, BROADCAST)
+ROOT = 0
+
+
+def piece_count(op: str, n: int, world: int, s: int, d: int) -> int:
+    """int32s rank `s` sends rank `d` in one call of `op` with pieces of `n`."""
+    if op == UNEVEN:
+        return 2 * n * (1 + (s + d) % world) // (world + 1)
+    if op in (BROADCAST, SCATTER):
+        return n if s == ROOT else 0
+    if op == GATHER:
+        return n if d == ROOT else 0
+    return n
 
 
 class Layout:
@@ -55,17 +81,17 @@ class Layout:
 
     def __init__(self, op: str, world: int, n: int) -> None:
         self.op, self.world, self.n = op, world, n
-        self.counts = [[uneven_count(n, world, s, d) if op == UNEVEN else n
-                        for d in range(world)] for s in range(world)]
+        self.counts = [[piece_count(op, n, world, s, d) for d in range(world)]
+                       for s in range(world)]
 
     def in_offset(self, s: int, d: int) -> int:
-        return 0 if self.op in GATHERS else sum(self.counts[s][:d])
+        return 0 if self.op in WHOLE_INPUT else sum(self.counts[s][:d])
 
     def out_offset(self, s: int, d: int) -> int:
         return sum(self.counts[x][d] for x in range(s))
 
     def in_numel(self, s: int) -> int:
-        return self.n if self.op in GATHERS else sum(self.counts[s])
+        return self.n if self.op in WHOLE_INPUT else sum(self.counts[s])
 
     def out_numel(self, d: int) -> int:
         return sum(self.counts[s][d] for s in range(self.world))
@@ -84,15 +110,14 @@ class Layout:
         return 4 * cross / (world * (world - 1))
 
 
-def uneven_count(n: int, world: int, s: int, d: int) -> int:
-    return 2 * n * (1 + (s + d) % world) // (world + 1)
-
-
 def add_arguments(parser) -> None:
     group = parser.add_argument_group("collectives (uses the overlap options too)")
     group.add_argument("--collectives-sizes", type=parse_sizes, default="64K,1M,16M,64M,256M",
                        help="bytes per piece: all-gather's input per rank, all-to-all's piece "
                        "per pair of ranks (its input is world x that) (default: %(default)s)")
+    group.add_argument("--collectives-ops", type=parse_ops, default=",".join(OP_NAMES),
+                       help="ops to time, comma-separated (default: %(default)s); the GEMM runs "
+                       "beside all_gather, all_to_all and all_to_all_uneven among them")
     group.add_argument("--collectives-iters", type=int, default=10,
                        help="calls per timed loop (default: %(default)s)")
     group.add_argument("--collectives-reps", type=int, default=3,
@@ -103,17 +128,34 @@ def add_arguments(parser) -> None:
                        "(default: %(default)s)")
 
 
+def parse_ops(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in OP_NAMES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown op(s) {', '.join(unknown) or '(none given)'}; choose from "
+            f"{', '.join(OP_NAMES)}")
+    return [OP_NAMES[name] for name in names]
+
+
 def check_arguments(args, parser) -> None:
     at_least(parser, args, 1, "collectives_iters", "collectives_reps")
 
 
 def call(layout: Layout, rank: int, group, out: torch.Tensor, inp: torch.Tensor) -> None:
-    if layout.op in GATHERS:
+    op, n = layout.op, layout.n
+    if op in GATHERS:
         dist.all_gather_into_tensor(out, inp, group=group)
-        return
-    out_splits, in_splits = layout.splits(rank)
-    dist.all_to_all_single(out, inp, output_split_sizes=out_splits,
-                           input_split_sizes=in_splits, group=group)
+    elif op == BROADCAST:
+        dist.broadcast(out, ROOT, group=group)  # input_of put the root's input there
+    elif op == GATHER:
+        dist.gather(inp, list(out.split(n)) if rank == ROOT else None, ROOT, group=group)
+    elif op == SCATTER:
+        dist.scatter(out, list(inp.split(n)) if rank == ROOT else None, ROOT, group=group)
+    else:
+        out_splits, in_splits = layout.splits(rank)
+        dist.all_to_all_single(out, inp, output_split_sizes=out_splits,
+                               input_split_sizes=in_splits, group=group)
 
 
 def make_input(layout: Layout, rank: int, device, distinct: bool = True) -> torch.Tensor:
@@ -151,7 +193,12 @@ def wrong_piece(layout: Layout, out: torch.Tensor, receiver: int, senders, what:
 
 
 def input_of(op: str, out: torch.Tensor, inp: torch.Tensor, rank: int) -> torch.Tensor:
-    """The input a call of `op` into `out` takes: `inp`, or for IN_PLACE `out`'s piece holding it."""
+    """The input a call of `op` into `out` takes: `inp`, or for IN_PLACE `out`'s piece holding
+    it; a broadcast's is its tensor, holding the root's input."""
+    if op == BROADCAST:
+        if rank == ROOT:
+            out.copy_(inp)
+        return out
     if op != IN_PLACE:
         return inp
     piece = out.narrow(0, rank * inp.numel(), inp.numel())
@@ -218,9 +265,12 @@ def floor_copies(op: str, size: int, devices: list[int]):
     for step in range(world - 1):
         for s in range(world):
             d = schedule(s, world)[step][0]
-            copies.append(copy(piece_of(s, d), piece_from(layout, outs[d], s, d)))
-    if op != IN_PLACE:
-        for d in range(world):
+            if layout.counts[s][d]:
+                copies.append(copy(piece_of(s, d), piece_from(layout, outs[d], s, d)))
+    if op in NO_OWN_COPY:
+        return layout, copies, outs
+    for d in range(world):
+        if layout.counts[d][d]:
             via = gpus[(d + 1) % world]
             own = piece_of(d, d)
             copies.append(copy(own, torch.empty_like(own, device=via)))
@@ -241,8 +291,8 @@ def measure_floor(ctx: Ctx, op: str, size: int, args):
     seconds = [time_peer_copies(copies, args.collectives_iters)
                for _ in range(args.collectives_reps)]
     for d, out in enumerate(outs):
-        # In place, a rank's own piece is where it belongs already: nothing moves it.
-        senders = [s for s in range(ctx.world) if op != IN_PLACE or s != d]
+        # In place, or a broadcast's root, a rank's own piece is where it belongs already.
+        senders = [s for s in range(ctx.world) if op not in NO_OWN_COPY or s != d]
         if error := wrong_piece(layout, out, d, senders, f"floor {op} into GPU {d}"):
             return None, error
     return figure(seconds, layout.piece_bytes(), ctx.world), None
@@ -318,10 +368,12 @@ def measure_gemm(ctx: Ctx, op: str, matrices, args) -> dict:
 def run(ctx: Ctx, args) -> dict:
     if ctx.world < 2:
         raise RuntimeError("smfree bench: the collectives section needs at least 2 ranks")
-    rows = [measure_calls(ctx, op, size, args) for op in OPS for size in args.collectives_sizes]
+    rows = [measure_calls(ctx, op, size, args)
+            for op in args.collectives_ops for size in args.collectives_sizes]
     a = torch.randn(args.gemm_n, args.gemm_n, device=ctx.device, dtype=torch.bfloat16)
     matrices = (a, torch.randn_like(a), torch.empty_like(a))
-    gemm = [measure_gemm(ctx, op, matrices, args) for op in (ALL_GATHER, ALL_TO_ALL, UNEVEN)]
+    gemm = [measure_gemm(ctx, op, matrices, args)
+            for op in (ALL_GATHER, ALL_TO_ALL, UNEVEN) if op in args.collectives_ops]
     # The floor comes last: it gives rank 0 a CUDA context on every rank's GPU.
     floor_skipped = add_floors(ctx, rows, args)
     return {
@@ -366,7 +418,8 @@ def print_section(section: dict) -> None:
                      num(floor and floor["GBps_aggregate"])])
     print(format_table(["op", "size", "smfree µs", "NCCL µs", "smfree/NCCL", "floor µs",
                         "smfree/floor", "smfree GB/s", "NCCL GB/s", "floor GB/s"], rows))
-    print(f"GB/s: what crosses between GPUs ({world} x {world - 1} x size, even) / µs per call; "
+    print(f"GB/s: what crosses between GPUs ({world} x {world - 1} x size, even; {world - 1} x "
+          "size, rooted at rank 0) / µs per call; "
           "uneven: rank s sends rank d 2 x size x (1 + (s + d) % world) / (world + 1); "
           "smfree/NCCL: median over rounds of "
           "the ratio in the same round; floor: bare peer copies of the same pieces, an own piece "
