@@ -41,13 +41,13 @@ struct SecondLane {
   Event done;     // the lane's last hop
 };
 
-// Both hops of each chunk of kChunkBytes. Without `second`, on `stream`, one chunk after the
-// other through the bounce's first half. With it, the even chunks so on `stream` and the odd
-// ones on `second`'s stream through the other half, starting once the first chunk's first hop
-// is done: the lanes then run a hop apart, one's hop into the bounce beside the other's hop out
-// of it, on the two directions of the link. A lane hands over only twice per copy: a handover
-// between streams cost about 13 µs on H200, more than a chunk's overlap saved
-// (tools/probe_bounce.py).
+// Both hops of each chunk of kChunkBytes. Without `second`, all on `stream`, one chunk after
+// the other through the bounce's first half. With it, the even chunks so and the odd ones on
+// `second`'s stream through the other half, starting once the first chunk's first hop is done:
+// the lanes then run a hop apart, one's hop into the bounce beside the other's hop out of it, on
+// the two directions of the link. The lanes hand over only at their start and end: a handover
+// between streams cost about 13 µs on H200, so handing over every chunk gained nothing at
+// 16 MiB chunks and lost much at smaller ones (tools/probe_bounce.py).
 void queueBounced(CUstream stream, const Place& to, const Place& from, uint64_t bytes,
                   const Bounce& bounce, SecondLane* second, const char* what) {
   const uint64_t lanes = second ? 2 : 1;
