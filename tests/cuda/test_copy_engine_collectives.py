@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 import channels
 from cuda_graphs import new_graph, node_types
+from cuda_profile import kernels_launched
 from payloads import pattern
 
 pytestmark = pytest.mark.gpu
@@ -219,16 +220,7 @@ def _kernels_of_collectives(rank, world):
 
     ops()
     torch.cuda.synchronize()
-    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=activities) as prof:
-        for _ in range(5):
-            ops()
-        torch.cuda.synchronize()
-    return sorted({evt.name for evt in prof.events()
-                   if evt.device_type == torch.autograd.DeviceType.CUDA
-                   and "memcpy" not in evt.name.lower() and "memset" not in evt.name.lower()
-                   and not getattr(evt, "is_user_annotation", False)
-                   and not evt.name.startswith("smfree:")})
+    return sorted(set(kernels_launched(ops, 5)))
 
 
 @pytest.mark.parametrize("setting", ["all", "off"])

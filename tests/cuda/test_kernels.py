@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from cuda_profile import kernels_launched
 from payloads import exchange
 
 pytestmark = pytest.mark.gpu
@@ -15,18 +16,7 @@ def _zero_kernels(rank, world, numel):
     got = torch.empty(numel, device=dev)
     exchange(mine, got, peer)  # warm: mappings and streams exist
     torch.cuda.synchronize()
-    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=activities) as prof:
-        for _ in range(10):
-            exchange(mine, got, peer)
-        torch.cuda.synchronize()
-    # The Works' own ranges (smfree:send, smfree:recv) show on the GPU's timeline as
-    # annotations around the copies queued inside them: they are not kernels.
-    kernels = [evt.name for evt in prof.events()
-               if evt.device_type == torch.autograd.DeviceType.CUDA
-               and "memcpy" not in evt.name.lower() and "memset" not in evt.name.lower()
-               and not getattr(evt, "is_user_annotation", False)
-               and not evt.name.startswith("smfree:")]
+    kernels = kernels_launched(lambda: exchange(mine, got, peer), 10)
     return kernels, bool(torch.all(got == 1))
 
 
