@@ -61,7 +61,7 @@ def test_sends_into_a_buffer_the_receiver_keeps_reusing(staging):
     rounds = 40
     staged_sends, (wrong, staged_recvs, rings) = channels.COPY_ENGINE.run(
         _one_way_into_one_buffer, 2, rounds,
-        env={"SMFREE_STAGING_BYTES": staging, **EAGER_BELOW_STAGING})
+        env={**EAGER_BELOW_STAGING, "SMFREE_STAGING_BYTES": staging})
     assert wrong == []
     stageable = sum(1 for i in range(rounds)
                     if 8 << 20 <= STAGING_SIZES[i % len(STAGING_SIZES)] <= int(staging))
