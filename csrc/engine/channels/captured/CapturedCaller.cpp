@@ -44,14 +44,17 @@ CudaFence CapturedChannel::prepare(Op& op, const PostOptions& options) {
     captured->waiting = std::make_unique<cuda::OwnedFlag>(flags_);
     flags_.store(captured->waiting->get(), GraphWait::kIdle);
     captured->watch.emplace(flags_.word(captured->waiting->get()));
-    captured->posted = std::make_unique<cuda::Event>(device);
+    captured->posted = std::make_shared<cuda::Event>(device);
     captured->done = std::make_unique<cuda::Event>(device);
     const auto stream = static_cast<CUstream>(op.request.stream);
-    captured->posted->record(stream);
     if (captured->isSend) {
+      captured->posted->record(stream);
       queueSend(*captured, op);
     } else {
-      postRecv(*captured, op, options);
+      const bool announced = postRecv(*captured, op, options, stream);
+      captured->posted->record(stream);
+      // Every node the chain gets from now on comes after the recv's `ready`.
+      if (announced) chains_.joinLater(captured->captureId, device, captured->posted);
     }
   } else if (captured->isSend) {
     captured->phase = CapturedOp::Phase::kQueued;  // nothing to move
@@ -68,8 +71,9 @@ CudaFence CapturedChannel::prepare(Op& op, const PostOptions& options) {
   return CudaFence{.channel = ChannelKind::kCaptured, .captured = std::move(captured)};
 }
 
-void CapturedChannel::postRecv(CapturedOp& recv, const Op& op, const PostOptions& options) {
-  if (!options.placeKnown) return;  // no send can tell that it meets this recv: it takes a slot
+bool CapturedChannel::postRecv(CapturedOp& recv, const Op& op, const PostOptions& options,
+                               CUstream stream) {
+  if (!options.placeKnown) return false;  // no send can tell it meets this recv: it takes a slot
   const Buffer& buffer = recv.buffer;
   PostedRecv notice{op.groupId, op.request.tag, op.seq, buffer.bytes, op.request.desc.dtype,
                     {}, {}, {}};
@@ -81,7 +85,7 @@ void CapturedChannel::postRecv(CapturedOp& recv, const Op& op, const PostOptions
     // Its sender then goes through its slot, which needs nothing of this buffer's.
     log(LogLevel::kInfo, recv.what, ": its buffer cannot be shared, so its send goes through a "
         "slot (", reasonOf(error), ")");
-    return;
+    return false;
   }
   recv.ready = std::make_unique<cuda::OwnedFlag>(flags_);
   recv.arrived = std::make_unique<cuda::OwnedFlag>(flags_);
@@ -90,14 +94,18 @@ void CapturedChannel::postRecv(CapturedOp& recv, const Op& op, const PostOptions
   notice.ready = recv.ready->get();
   notice.arrived = recv.arrived->get();
   // Set at every replay once the graph has reached the recv: a send that copies straight into
-  // the buffer waits for it, since the graph may use the buffer before.
-  const CUstream chain = chains_.join(recv.captureId, buffer.device, *recv.posted);
-  cuda::writeWord(chain, flags_.cudaAddress(recv.ready->get().index), 1,
+  // the buffer waits for it, since the graph may use the buffer before. It goes on the caller's
+  // stream, not the chain: a recv never waited for then leaves no fork that would fail its
+  // capture's end, and its wait() outside the capture is refused instead.
+  cuda::writeWord(stream, flags_.cudaAddress(recv.ready->get().index), 1,
                   "cuStreamWriteValue32 (captured recv: its buffer is free)");
   std::string data;
   notice.appendTo(data);
-  std::lock_guard<std::mutex> lock(outboxMutex_);
-  outbox_.emplace_back(options.peerKey, std::move(data));
+  {
+    std::lock_guard<std::mutex> lock(outboxMutex_);
+    outbox_.emplace_back(options.peerKey, std::move(data));
+  }
+  return true;
 }
 
 void CapturedChannel::queueSend(CapturedOp& send, const Op& op) {

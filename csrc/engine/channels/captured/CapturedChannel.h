@@ -53,16 +53,18 @@ namespace smfree::engine {
 //
 // Ordering: an op's nodes go on its capture's chain (ChainStreams), forked from the caller's
 // stream at the post (the chain waits for `posted`, recorded there) and joined by the caller's
-// stream at the op's wait() (which waits for `done`). A send's nodes and a recv's `ready` are
-// queued at the post, a recv's other nodes at its wait(): program order, as for the eager lanes.
+// stream at the op's wait() (which waits for `done`). A send's nodes are queued at the post, a
+// recv's at its wait(): program order, as for the eager lanes. A recv's `ready` goes on the
+// caller's stream at its post, and the chain waits for it at its next join (so a recv never
+// waited for forks nothing, and its capture can end).
 //
 // Deadlock: every wait of a replay is for a node that existed when the waiting node was made: a
 // recv's wait() is queued only once its send's nodes are (its announcement came), a direct
 // send's only once its recv's `ready` was (its notice came), and within a process the chain
 // and the caller's streams hold nodes in the order they were made; a slot's wait is for the
 // peer's previous replay. So no wait depends on a node made after it, and the waits form no
-// cycle; and since the chain holds every smfree node of the process in the order they were
-// made, every node of this process that a wait depends on, through a peer, is an ancestor of
+// cycle; and since the chain holds every smfree wait of the process in the order they were
+// made, each after every `ready` written before it, every node of this process that a wait depends on, through a peer, is an ancestor of
 // that wait in the graph and runs before it, however the graph's nodes share hardware queues
 // (CUDA_DEVICE_MAX_CONNECTIONS=1 too). (Another library's collective in the same graph waits
 // for its peers outside this order, as it would beside NCCL's point-to-point kernels.)
@@ -126,7 +128,8 @@ class CapturedChannel final : public Channel {
   };
 
   // Caller's thread: the recv's `ready`, and its notice to its sender, at its post.
-  void postRecv(CapturedOp& recv, const Op& op, const PostOptions& options);
+  // Whether the recv told its sender where its buffer is (and queued its `ready`).
+  bool postRecv(CapturedOp& recv, const Op& op, const PostOptions& options, CUstream stream);
   // Caller's thread: the send's nodes, at its post, straight into its recv's buffer where the
   // recv's notice came in time, else through a slot.
   void queueSend(CapturedOp& send, const Op& op);

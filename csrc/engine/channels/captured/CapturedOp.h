@@ -68,7 +68,8 @@ struct CapturedOp {
   std::shared_ptr<void> keepalive;
   std::chrono::milliseconds timeout{0};  // the group's: how long a replay's wait may last
   std::unique_ptr<cuda::OwnedFlag> waiting;  // the word of `watch`, in this process's segment
-  std::unique_ptr<cuda::Event> posted;       // the caller's stream at the post
+  // The caller's stream at the post (after a recv's `ready`: its chain waits for it too).
+  std::shared_ptr<cuda::Event> posted;
   std::unique_ptr<cuda::Event> done;         // after the op's last node in the graph
 
   // A send's way, fixed at its post; a recv's, learnt at its match.
