@@ -1,6 +1,8 @@
 #include "backend/CallerRelease.h"
 
+#include <condition_variable>
 #include <mutex>
+#include <thread>
 #include <vector>
 
 namespace smfree {
@@ -8,7 +10,11 @@ namespace {
 
 struct HandedBack {
   std::mutex mutex;
+  std::condition_variable changed;
   std::vector<std::function<void()>> drops;
+  bool dropperStarted = false;
+  bool dropperRunning = false;
+  bool stopping = false;
 };
 
 // Never destroyed: what is left at exit stays, rather than reach Python as it finalizes.
@@ -17,12 +23,50 @@ HandedBack& handedBack() {
   return *handed;
 }
 
+std::vector<std::function<void()>> takeAll(HandedBack& handed) {
+  std::vector<std::function<void()>> drops;
+  drops.swap(handed.drops);
+  return drops;
+}
+
+// Outside the lock: a drop may hand back more.
+void run(std::vector<std::function<void()>>& drops) {
+  for (auto& drop : drops) drop();
+}
+
+// The dropper's loop: drops what is handed back as it comes. It may wait for the GIL (torch
+// takes it to drop a tensor whose Python object lives), and nothing waits for it.
+void dropAsHanded() {
+  HandedBack& handed = handedBack();
+  std::unique_lock<std::mutex> lock(handed.mutex);
+  while (!handed.stopping) {
+    if (handed.drops.empty()) {
+      handed.changed.wait(lock);
+      continue;
+    }
+    auto drops = takeAll(handed);
+    lock.unlock();
+    run(drops);
+    lock.lock();
+  }
+  handed.dropperRunning = false;
+  handed.changed.notify_all();
+}
+
 }  // namespace
 
 void CallerRelease::handBack(std::function<void()> drop) {
   HandedBack& handed = handedBack();
   std::lock_guard<std::mutex> lock(handed.mutex);
   handed.drops.push_back(std::move(drop));
+  // Started at the first hand-back, so a process that never posts has no extra thread. (A
+  // child forked after it has none: its callers' drain() drops what is handed back there.)
+  if (!handed.dropperStarted && !handed.stopping) {
+    handed.dropperStarted = true;
+    handed.dropperRunning = true;
+    std::thread(dropAsHanded).detach();
+  }
+  handed.changed.notify_all();
 }
 
 void CallerRelease::drain() {
@@ -30,9 +74,18 @@ void CallerRelease::drain() {
   {
     HandedBack& handed = handedBack();
     std::lock_guard<std::mutex> lock(handed.mutex);
-    drops.swap(handed.drops);
+    drops = takeAll(handed);
   }
-  for (auto& drop : drops) drop();  // outside the lock: a drop may hand back more
+  run(drops);
+}
+
+void CallerRelease::stop() {
+  HandedBack& handed = handedBack();
+  std::unique_lock<std::mutex> lock(handed.mutex);
+  handed.stopping = true;
+  handed.changed.notify_all();
+  // It may be inside a drop that waits for the GIL: the caller must not hold it.
+  handed.changed.wait(lock, [&] { return !handed.dropperRunning; });
 }
 
 }  // namespace smfree

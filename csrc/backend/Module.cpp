@@ -3,6 +3,7 @@
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include "backend/CallerRelease.h"
 #include "backend/SmFreeBackend.h"
 #include "engine/Engine.h"
 #include "engine/Error.h"
@@ -72,4 +73,7 @@ PYBIND11_MODULE(_C, module) {
   module.def("_stop_engine", &smfree::engine::Engine::stopProcessEngine,
              py::call_guard<py::gil_scoped_release>(),
              "Stops the process's engine (at exit), failing its pending ops.");
+  module.def("_stop_caller_release", &smfree::CallerRelease::stop,
+             py::call_guard<py::gil_scoped_release>(),
+             "Ends the thread that drops the Works ended ops hand back (at exit, after the engine).");
 }

@@ -96,7 +96,9 @@ def _create_backend(dist_options, backend_options):
     global _atexit_registered
     with _lock:
         if not _atexit_registered:
-            # Stop the progress thread before the interpreter tears down the libraries it uses.
+            # Stop the progress thread before the interpreter tears down the libraries it uses,
+            # then the thread that drops what ended ops hand back (it may take the GIL).
+            atexit.register(_C._stop_caller_release)
             atexit.register(_C._stop_engine)
             _atexit_registered = True
 

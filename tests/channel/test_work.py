@@ -5,6 +5,7 @@ import datetime
 import gc
 import re
 import time
+import weakref
 
 import pytest
 import torch
@@ -161,6 +162,27 @@ def test_engine_holds_tensors_until_transfer_done(channel):
 def test_memory_of_a_tensor_whose_data_is_swapped_after_isend_is_held(channel):
     values = channel.run(_forgotten_after_isend, 2, True, _held_numel(channel))[1]
     assert values == [float(i) for i in range(8)]
+
+
+def _let_go_once_done(rank, world, numel):
+    # After its op ends, the caller's tensor is the caller's alone, whether or not the caller
+    # calls the backend again: memory it then frees goes back (to the allocator, the driver).
+    dev = rank_device(rank)
+    tensor = torch.full((numel,), float(rank), device=dev)
+    (dist.isend if rank == 0 else dist.irecv)(tensor, 1 - rank).wait()
+    synchronize(dev)
+    held = weakref.ref(tensor)  # alive while any C++ reference to the tensor is
+    del tensor
+    deadline = time.monotonic() + 10
+    while held() is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    let_go = held() is None
+    dist.barrier()
+    return let_go
+
+
+def test_the_engine_lets_go_of_a_tensor_once_its_op_ends_without_another_call(channel):
+    assert channel.run(_let_go_once_done, 2, _held_numel(channel)) == [True, True]
 
 
 def _overwrite_after_wait(rank, world, numel, rounds):
