@@ -88,6 +88,18 @@ void keep(CollectivePlan& plan, int rank, const at::Tensor& from, const at::Tens
   plan.recvs.push_back({rank, into});
 }
 
+// This rank's pieces with `peer` in an exchange with every rank: `sent` goes to it and
+// `received` comes from it; with itself, the piece it keeps.
+void exchangeWith(CollectivePlan& plan, int rank, int peer, const at::Tensor& sent,
+                  const at::Tensor& received) {
+  if (peer == rank) {
+    keep(plan, rank, sent, received);
+    return;
+  }
+  plan.recvs.push_back({peer, received});
+  plan.sends.push_back({peer, sent});
+}
+
 // Row offsets of dim 0 split as `splits` (equal splits where empty); throws for bad splits.
 std::vector<int64_t> rowsOf(const at::Tensor& tensor, const std::vector<int64_t>& splits,
                             int size, const char* op, const char* what) {
@@ -181,13 +193,7 @@ CollectivePlan planAllGatherIntoTensor(const at::Tensor& output, const at::Tenso
   const at::Tensor flat = output.view(-1);
   const int64_t numel = input.numel();
   for (int peer = 0; peer < size; ++peer) {
-    const at::Tensor piece = flat.narrow(0, peer * numel, numel);
-    if (peer == rank) {
-      keep(plan, rank, input, piece);
-    } else {
-      plan.recvs.push_back({peer, piece});
-      plan.sends.push_back({peer, input});
-    }
+    exchangeWith(plan, rank, peer, input, flat.narrow(0, peer * numel, numel));
   }
   plan.outputs = {output};
   return plan;
@@ -223,12 +229,7 @@ CollectivePlan planAllGather(const std::vector<std::vector<at::Tensor>>& outputs
     const at::Tensor& piece = outputs[0][peer];
     checkTensor(piece, input, plan.op, "an output");
     checkSameNumel(piece, input.numel(), plan.op, "an output");
-    if (peer == rank) {
-      keep(plan, rank, input, piece);
-    } else {
-      plan.recvs.push_back({peer, piece});
-      plan.sends.push_back({peer, input});
-    }
+    exchangeWith(plan, rank, peer, input, piece);
   }
   plan.outputs = outputs[0];
   return plan;
@@ -247,11 +248,8 @@ CollectivePlan planAllToAllSingle(const at::Tensor& output, const at::Tensor& in
   for (int peer = 0; peer < size; ++peer) {
     if (peer == rank) {
       checkSameNumel(outs[peer], ins[peer].numel(), plan.op, "this rank's own output piece");
-      keep(plan, rank, ins[peer], outs[peer]);
-    } else {
-      plan.recvs.push_back({peer, outs[peer]});
-      plan.sends.push_back({peer, ins[peer]});
     }
+    exchangeWith(plan, rank, peer, ins[peer], outs[peer]);
   }
   plan.outputs = {output};
   return plan;
@@ -268,11 +266,8 @@ CollectivePlan planAllToAll(const std::vector<at::Tensor>& outputs,
     checkTensor(outputs[peer], first, plan.op, "an output");
     if (peer == rank) {
       checkSameNumel(outputs[peer], inputs[peer].numel(), plan.op, "this rank's own output");
-      keep(plan, rank, inputs[peer], outputs[peer]);
-    } else {
-      plan.recvs.push_back({peer, outputs[peer]});
-      plan.sends.push_back({peer, inputs[peer]});
     }
+    exchangeWith(plan, rank, peer, inputs[peer], outputs[peer]);
   }
   plan.outputs = outputs;
   return plan;
