@@ -9,8 +9,9 @@ the NCCL communicator smfree wraps. Needs one GPU per rank:
     torchrun --nproc-per-node=4 examples/fsdp2.py --rounds 3 --json fsdp2.json
     SMFREE_COLLECTIVES=off torchrun --nproc-per-node=4 examples/fsdp2.py
 
-Each round trains smfree, then NCCL, each on a fresh model; --rounds R repeats that, so the
-machine's drift shows in the per-round ratios. Rank 0 prints each run's losses (mean over
+Each round trains both backends, each on a fresh model, smfree first in odd rounds and NCCL
+first in even ones (a first run may pay for what the second finds warm); --rounds R repeats
+that, so the machine's drift shows in the per-round ratios. Rank 0 prints each run's losses (mean over
 ranks, repr: every bit) and a table of step times, whether every rank's loss of every step is
 bitwise equal between the backends, and whether the final parameters are.
 
@@ -50,7 +51,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--batch", type=int, default=4, help="micro-batch per rank")
     add("--steps", type=int, default=6, help="timed steps per run")
     add("--warmup", type=int, default=2, help="untimed steps before the timed ones")
-    add("--rounds", type=int, default=1, help="smfree-then-NCCL runs, each on fresh models")
+    add("--rounds", type=int, default=1,
+        help="runs of both backends on fresh models, alternating which goes first")
     add("--lr", type=float, default=3e-4)
     add("--seed", type=int, default=1234)
     add("--nondeterministic", action="store_true",
@@ -187,9 +189,10 @@ def compare(first: list[torch.Tensor], second: list[torch.Tensor]) -> tuple[bool
 
 
 def one_round(args, index: int, groups: dict, data) -> dict:
-    """smfree, then NCCL, from the same start; their times and whether they agree bitwise."""
+    """Both backends from the same start, smfree first in odd rounds; their times and whether
+    they agree bitwise."""
     results, shards = {"round": index + 1}, {}
-    for backend in BACKENDS:
+    for backend in BACKENDS if index % 2 == 0 else BACKENDS[::-1]:
         results[backend], shards[backend] = run(args, backend, groups[backend], data)
         if dist.get_rank() == 0:
             print(f"round {index + 1}/{args.rounds} {backend}: median step "
