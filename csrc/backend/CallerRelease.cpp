@@ -1,5 +1,7 @@
 #include "backend/CallerRelease.h"
 
+#include <sys/prctl.h>
+
 #include <condition_variable>
 #include <mutex>
 #include <thread>
@@ -37,6 +39,7 @@ void run(std::vector<std::function<void()>>& drops) {
 // The dropper's loop: drops what is handed back as it comes. It may wait for the GIL (torch
 // takes it to drop a tensor whose Python object lives), and nothing waits for it.
 void dropAsHanded() {
+  prctl(PR_SET_NAME, "smfree-release");
   HandedBack& handed = handedBack();
   std::unique_lock<std::mutex> lock(handed.mutex);
   while (!handed.stopping) {
