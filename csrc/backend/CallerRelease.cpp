@@ -69,7 +69,8 @@ void CallerRelease::handBack(std::function<void()> drop) {
     handed.dropperRunning = true;
     std::thread(dropAsHanded).detach();
   }
-  handed.changed.notify_all();
+  // The thread waits only on an empty list: later hand-backs find it awake.
+  if (handed.drops.size() == 1) handed.changed.notify_all();
 }
 
 void CallerRelease::drain() {

@@ -4,7 +4,6 @@
 #include <atomic>
 #include <map>
 #include <mutex>
-#include <string>
 #include <utility>
 
 #include "engine/Error.h"
@@ -52,8 +51,7 @@ void queueBounced(CUstream stream, const Place& to, const Place& from, uint64_t 
                   const Bounce& bounce, SecondLane* second, const char* what) {
   const uint64_t lanes = second ? 2 : 1;
   if (bounce.bytes() < std::min(bytes, lanes * kChunkBytes)) {
-    throw Error(std::string(what) + ": a bounce of " + std::to_string(bounce.bytes()) +
-                " B is too small for a copy of " + std::to_string(bytes) + " B");
+    fail(what, ": a bounce of ", bounce.bytes(), " B is too small for a copy of ", bytes, " B");
   }
   uint64_t index = 0;
   for (uint64_t at = 0; at < bytes; at += kChunkBytes, ++index) {
@@ -100,11 +98,12 @@ class StreamBounces {
       if (entry->lease) entry->lease->usedUntil(entry->lastUse);
       entry->lease = std::make_unique<BounceLease>(to.device, bytes);
     }
-    if (bytes > kChunkBytes && !entry->second) {
-      entry->second = std::make_unique<SecondLane>(streamDevice);
+    SecondLane* second = nullptr;
+    if (bytes > kChunkBytes) {
+      if (!entry->second) entry->second = std::make_unique<SecondLane>(streamDevice);
+      second = entry->second.get();
     }
-    queueBounced(stream, to, from, bytes, entry->lease->bounce(),
-                 bytes > kChunkBytes ? entry->second.get() : nullptr, what);
+    queueBounced(stream, to, from, bytes, entry->lease->bounce(), second, what);
     entry->lastUse = takeEvent(streamDevice);
     entry->lastUse->record(stream);
   }

@@ -90,6 +90,16 @@ class Layout:
     def out_offset(self, s: int, d: int) -> int:
         return sum(self.counts[x][d] for x in range(s))
 
+    def sent(self, inp: torch.Tensor, s: int, d: int) -> torch.Tensor:
+        """The piece of rank s's input `inp` that goes to rank d."""
+        start = self.in_offset(s, d)
+        return inp[start:start + self.counts[s][d]]
+
+    def received(self, out: torch.Tensor, s: int, d: int) -> torch.Tensor:
+        """The piece of rank d's output `out` that comes from rank s."""
+        start = self.out_offset(s, d)
+        return out[start:start + self.counts[s][d]]
+
     def in_numel(self, s: int) -> int:
         return self.n if self.op in WHOLE_INPUT else sum(self.counts[s])
 
@@ -169,21 +179,13 @@ def make_input(layout: Layout, rank: int, device, distinct: bool = True) -> torc
 
 def expected_piece(layout: Layout, sender: int, receiver: int, device) -> torch.Tensor:
     """What `receiver`'s output holds from `sender` (make_input's distinct inputs)."""
-    start = layout.in_offset(sender, receiver)
-    return pattern(sender, layout.in_numel(sender), device)[
-        start:start + layout.counts[sender][receiver]]
-
-
-def piece_from(layout: Layout, out: torch.Tensor, sender: int, receiver: int) -> torch.Tensor:
-    """`sender`'s piece in `receiver`'s output `out`."""
-    start = layout.out_offset(sender, receiver)
-    return out[start:start + layout.counts[sender][receiver]]
+    return layout.sent(pattern(sender, layout.in_numel(sender), device), sender, receiver)
 
 
 def wrong_piece(layout: Layout, out: torch.Tensor, receiver: int, senders, what: str):
     """None if `out`'s pieces from `senders` are right, else where the first one differs."""
     for sender in senders:
-        got = piece_from(layout, out, sender, receiver)
+        got = layout.received(out, sender, receiver)
         want = expected_piece(layout, sender, receiver, out.device)
         if not torch.equal(got, want):
             index = int((got != want).nonzero()[0])
@@ -254,10 +256,6 @@ def floor_copies(op: str, size: int, devices: list[int]):
     outs = [torch.zeros(layout.out_numel(d), dtype=torch.int32, device=gpu)
             for d, gpu in enumerate(gpus)]
 
-    def piece_of(s: int, d: int) -> torch.Tensor:
-        start = layout.in_offset(s, d)
-        return inputs[s][start:start + layout.counts[s][d]]
-
     def copy(src: torch.Tensor, dst: torch.Tensor) -> PeerCopy:
         return PeerCopy(src, dst, torch.cuda.Stream(src.device), torch.cuda.Stream(dst.device))
 
@@ -266,15 +264,15 @@ def floor_copies(op: str, size: int, devices: list[int]):
         for s in range(world):
             d = schedule(s, world)[step][0]
             if layout.counts[s][d]:
-                copies.append(copy(piece_of(s, d), piece_from(layout, outs[d], s, d)))
+                copies.append(copy(layout.sent(inputs[s], s, d), layout.received(outs[d], s, d)))
     if op in NO_OWN_COPY:
         return layout, copies, outs
     for d in range(world):
         if layout.counts[d][d]:
             via = gpus[(d + 1) % world]
-            own = piece_of(d, d)
+            own = layout.sent(inputs[d], d, d)
             copies.append(copy(own, torch.empty_like(own, device=via)))
-            copies.append(copy(own.to(via), piece_from(layout, outs[d], d, d)))
+            copies.append(copy(own.to(via), layout.received(outs[d], d, d)))
     return layout, copies, outs
 
 
@@ -334,7 +332,7 @@ class CollectiveTraffic:
         self.out = torch.empty(self.layout.out_numel(ctx.rank), dtype=torch.int32,
                                device=ctx.device)
         self.peer = (ctx.rank + 1) % ctx.world
-        self.recv = piece_from(self.layout, self.out, self.peer, ctx.rank)
+        self.recv = self.layout.received(self.out, self.peer, ctx.rank)
         self.stream = torch.cuda.Stream(ctx.device)
         for backend in CUDA_BACKENDS:
             call(self.layout, self.rank, ctx.groups[backend], self.out, self.inp)  # untimed

@@ -64,9 +64,9 @@ namespace smfree::engine {
 // and the caller's streams hold nodes in the order they were made; a slot's wait is for the
 // peer's previous replay. So no wait depends on a node made after it, and the waits form no
 // cycle; and since the chain holds every smfree wait of the process in the order they were
-// made, each after every `ready` written before it, every node of this process that a wait depends on, through a peer, is an ancestor of
-// that wait in the graph and runs before it, however the graph's nodes share hardware queues
-// (CUDA_DEVICE_MAX_CONNECTIONS=1 too). (Another library's collective in the same graph waits
+// made, each after every `ready` written before it, every node of this process that a wait
+// depends on, through a peer, is an ancestor of that wait in the graph and runs before it,
+// however the graph's nodes share hardware queues (CUDA_DEVICE_MAX_CONNECTIONS=1 too). (Another library's collective in the same graph waits
 // for its peers outside this order, as it would beside NCCL's point-to-point kernels.)
 //
 // Faults: each wait is bracketed by writes of a watched word (GraphWait). A wait that lasts the
