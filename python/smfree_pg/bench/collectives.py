@@ -378,7 +378,7 @@ def run(ctx: Ctx, args) -> dict:
         "world": ctx.world,
         "iters": args.collectives_iters,
         "reps": args.collectives_reps,
-        "smfree_collectives": os.environ.get("SMFREE_COLLECTIVES", "unset (all)"),
+        "smfree_collectives": os.environ.get("SMFREE_COLLECTIVES", "unset (default)"),
         "units": {"bytes": "bytes per piece: all-gather's input per rank; all-to-all's piece per "
                            "pair of ranks (input and output are world x bytes); uneven: the mean "
                            "piece, 2 x bytes x (1 + (s + d) % world) / (world + 1) from s to d",
