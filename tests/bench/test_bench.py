@@ -217,3 +217,44 @@ def test_the_bench_calls_each_collective_as_its_layout_says():
     from harness import run_ranks
 
     assert run_ranks(_every_op_as_the_bench_calls_it, 3) == [[None] * 7] * 3
+
+
+def test_nccl_copy_engine_child_reports_its_line_or_why_it_failed():
+    import json
+    import sys
+
+    from smfree_pg.bench.nccl_copy_engines import MARKER, run_child
+
+    rows = [{"op": "all_gather_into_tensor", "bytes": 1 << 20, "us": 12.5}]
+    said = f"print('noise'); print({MARKER + json.dumps({'rows': rows, 'error': None})!r})"
+    assert run_child([sys.executable, "-c", said], {}) == {"rows": rows, "error": None}
+    # A child that dies without its line: NCCL's last warning says why, not the traceback.
+    died = ("import sys; sys.stderr.write('x.cc:1 NCCL WARN first\\n"
+            "ce_coll.cc:341 NCCL WARN Cuda failure invalid argument\\nTraceback: boom\\n'); "
+            "sys.exit(3)")
+    failed = run_child([sys.executable, "-c", died], {})
+    assert failed == {"rows": [], "error": "exited with 3: ce_coll.cc:341 NCCL WARN Cuda "
+                                           "failure invalid argument"}
+    # A child that caught torch's error: NCCL's warning is added to it.
+    caught = {"rows": [], "error": "all_gather_into_tensor, 1 MiB: unhandled cuda error"}
+    warned = (f"import sys; sys.stderr.write('ce_coll.cc:341 NCCL WARN Cuda failure\\n'); "
+              f"print({MARKER + json.dumps(caught)!r})")
+    assert run_child([sys.executable, "-c", warned], {})["error"] == (
+        "all_gather_into_tensor, 1 MiB: unhandled cuda error; NCCL: ce_coll.cc:341 NCCL WARN "
+        "Cuda failure")
+
+
+def test_collectives_report_names_where_nccl_copy_engines_failed(capsys):
+    from smfree_pg.bench.collectives import print_nccl_copy_engines
+
+    figures = {"us": 100.0, "GBps_aggregate": 1.0}
+    section = {"rows": [{"op": "all_gather_into_tensor", "bytes": 1 << 20, "smfree": figures,
+                         "nccl": {**figures, "us": 80.0}}],
+               "nccl_copy_engines": {
+                   "rows": [{"op": "all_gather_into_tensor", "bytes": 1 << 20, "us": 90.0}],
+                   "error": "rank 1: all_to_all_single, 1 MiB: DistBackendError: unhandled"}}
+    print_nccl_copy_engines(section)
+    out = capsys.readouterr().out
+    assert "NCCL's copy-engine path failed: rank 1: all_to_all_single, 1 MiB" in out
+    line = next(line for line in out.splitlines() if line.startswith("all_gather_into_tensor"))
+    assert [cell.strip() for cell in line.split("|")][2:5] == ["90.0", "80.0", "100.0"], line

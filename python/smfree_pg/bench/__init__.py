@@ -19,8 +19,8 @@ Sections (`--only`), one module each:
    that traffic; smfree's mappings and staging memory afterwards.
 9. collectives: all_gather_into_tensor and all_to_all_single on smfree's copy engines
    (SMFREE_COLLECTIVES) against NCCL, every rank, 64 KiB ... 256 MiB per piece: µs per call and
-   aggregate GB/s beside the floor (the same pieces as bare peer copies from one process); a
-   GEMM loop's slowdown beside each.
+   aggregate GB/s beside the floor (the same pieces as bare peer copies from one process) and
+   NCCL's own copy-engine path (or where it fails); a GEMM loop's slowdown beside each.
 10. starvation: every same-host path run while a kernel holds every SM of both GPUs; when
     each op ended, during the hold (no SM) or after it.
 

@@ -18,6 +18,9 @@
   driver runs on SMs: the floor moves it as its two copy-engine hops through the next GPU, both
   under way at once (the first into that GPU, the second out of a copy already there), which is
   what a bounce whose chunks overlap tends to.
+- NCCL's copy-engine path: NCCL 2.28's own copy-engine all-gather and all-to-all (zero-CTA
+  policy, symmetric memory) where this torch reaches them, in processes of their own
+  (nccl_copy_engines.py): µs per call, or where they fail.
 - GEMM: the overlap section's GEMM loop while a side stream loops each collective at
   `--collectives-overlap-size`, about `--overlap-bytes` out of each rank; the GEMM's slowdown.
 """
@@ -31,7 +34,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from smfree_pg.bench import overlap
+from smfree_pg.bench import nccl_copy_engines, overlap
 from smfree_pg.bench.alltoall import figure, schedule, traffic_chunks
 from smfree_pg.bench.bandwidth import PeerCopy, seconds_per_op, time_peer_copies
 from smfree_pg.bench.cli import at_least
@@ -372,6 +375,8 @@ def run(ctx: Ctx, args) -> dict:
     matrices = (a, torch.randn_like(a), torch.empty_like(a))
     gemm = [measure_gemm(ctx, op, matrices, args)
             for op in (ALL_GATHER, ALL_TO_ALL, UNEVEN) if op in args.collectives_ops]
+    nccl_ce = nccl_copy_engines.measure(ctx, args.collectives_ops, args.collectives_sizes,
+                                        args.collectives_iters, args.collectives_reps)
     # The floor comes last: it gives rank 0 a CUDA context on every rank's GPU.
     floor_skipped = add_floors(ctx, rows, args)
     return {
@@ -391,14 +396,37 @@ def run(ctx: Ctx, args) -> dict:
                            "process, one stream per pair; an own piece (out of place, "
                            "all-to-all) as its two hops through the next GPU at once; null: "
                            "skipped",
+                  "nccl_copy_engines": "NCCL's own copy-engine collectives (zero-CTA policy, "
+                                       "symmetric memory): µs per call as above, or the first "
+                                       "rank's failure",
                   "gemm": "per op and rank: ms per GEMM alone and under each backend's calls; "
                           "slowdown_pct in %; transfer_GBps: bytes out of a rank / traffic time"},
         "rows": rows,
         "floor_skipped": floor_skipped,
+        "nccl_copy_engines": nccl_ce,
         "gemm_n": args.gemm_n,
         "gemms": args.gemms,
         "gemm": gemm,
     }
+
+
+def print_nccl_copy_engines(section: dict) -> None:
+    """NCCL's copy-engine rows beside the same op's ordinary NCCL and smfree times."""
+    ce = section["nccl_copy_engines"]
+    if not ce["rows"] and not ce["error"]:
+        return
+    print("\nNCCL's own copy-engine collectives (zero-CTA policy, symmetric memory; processes of "
+          "their own): µs per call as above")
+    ordinary = {(row["op"], row["bytes"]): row for row in section["rows"]}
+    rows = []
+    for row in ce["rows"]:
+        same = ordinary.get((row["op"], row["bytes"]))
+        rows.append([row["op"], format_size(row["bytes"]), num(row["us"]),
+                     num(same and same["nccl"]["us"]), num(same and same["smfree"]["us"])])
+    if rows:
+        print(format_table(["op", "size", "NCCL copy engines µs", "NCCL µs", "smfree µs"], rows))
+    if ce["error"]:
+        print(f"NCCL's copy-engine path failed: {ce['error']}")
 
 
 def print_section(section: dict) -> None:
@@ -424,6 +452,7 @@ def print_section(section: dict) -> None:
           "as its two hops through the next GPU at once")
     if section["floor_skipped"]:
         print(f"floor skipped: {section['floor_skipped']}")
+    print_nccl_copy_engines(section)
     print(f"\nCollectives under GEMM: bf16 GEMM {section['gemm_n']}^3 x {section['gemms']} while "
           "a side stream loops the collective; paired slowdown, median over rounds")
     rows = [[g["op"], format_size(g["bytes"]), str(rank), num(s["alone_ms"], 3),
