@@ -38,6 +38,10 @@ const char* describe(LocalCopies how);
 struct Place {
   CUdeviceptr address = 0;
   int device = kHostMemory;
+
+  static Place of(const void* pointer, int device) {
+    return {reinterpret_cast<CUdeviceptr>(pointer), device};
+  }
 };
 
 // Whether a copy between the two passes through a bounce: both in one GPU's memory, and

@@ -11,8 +11,6 @@
 namespace smfree::engine {
 namespace {
 
-CUdeviceptr address(void* pointer) { return reinterpret_cast<CUdeviceptr>(pointer); }
-
 // Queues on `chain`: wait until `word` is 1, then take it (0), the wait bracketed by the op's
 // watched word so that a fault can release it (GraphWait).
 void takeWord(CUstream chain, void* waiting, void* word, const char* what) {
@@ -137,7 +135,7 @@ void CapturedChannel::queueDirect(CapturedOp& send, const PostedRecvs::Entry& re
   takeWord(chain, waiting, send.receiverWords->cudaAddress(send.receiverReady.index),
            "cuStreamBatchMemOp (captured send: wait for its receiver's buffer)");
   cuda::queueCopyThrough(chain, buffer.device, {send.destination, destination.device},
-                         {address(buffer.data), buffer.device}, buffer.bytes, send.bounce,
+                         cuda::Place::of(buffer.data, buffer.device), buffer.bytes, send.bounce,
                          "cuMemcpyAsync (captured send, into its receiver's buffer)");
   cuda::writeWord(chain, send.receiverWords->cudaAddress(send.receiverArrived.index), 1,
                   "cuStreamWriteValue32 (captured send: bytes arrived)");
@@ -164,7 +162,7 @@ void CapturedChannel::queueThroughSlot(CapturedOp& send, CUstream chain) {
   void* empty = flags_.cudaAddress(send.empty->get().index);
   takeWord(chain, waiting, empty, "cuStreamBatchMemOp (captured send: wait for its slot)");
   cuda::queueCopyThrough(chain, buffer.device, {send.slot->address(), slotDevice},
-                         {address(buffer.data), buffer.device}, buffer.bytes, send.bounce,
+                         cuda::Place::of(buffer.data, buffer.device), buffer.bytes, send.bounce,
                          "cuMemcpyAsync (captured send, into its slot)");
   cuda::writeWord(chain, flags_.cudaAddress(send.full->get().index), 1,
                   "cuStreamWriteValue32 (captured send: slot full)");
@@ -188,7 +186,7 @@ void CapturedChannel::queueRecv(CapturedOp& recv) {
            "cuStreamBatchMemOp (captured recv: wait for its sender's slot)");
   const CUdeviceptr slot = recv.sourceSlot->address() +
                            (recv.source.memory.address - recv.source.memory.start());
-  cuda::queueCopyThrough(chain, buffer.device, {address(buffer.data), buffer.device},
+  cuda::queueCopyThrough(chain, buffer.device, cuda::Place::of(buffer.data, buffer.device),
                          {slot, recv.source.memory.device}, buffer.bytes, recv.bounce,
                          "cuMemcpyAsync (captured recv, out of its sender's slot)");
   cuda::writeWord(chain, words.cudaAddress(recv.source.empty.index), 1,

@@ -1,12 +1,12 @@
 // The copy engines' eager lanes (EagerLanes.h), as the progress thread sees them: a sender's
 // announcement of its slot, a receiver's copy out at the match or its wait()'s, and what an
 // eager op's failure gives back.
-#include <cstring>
 #include <string>
 
 #include "engine/Error.h"
 #include "engine/Log.h"
 #include "engine/Peer.h"
+#include "engine/channels/copy_engine/ChannelData.h"
 #include "engine/channels/copy_engine/CopyEngineChannel.h"
 #include "engine/cuda/CudaDriver.h"
 
@@ -23,12 +23,9 @@ struct EagerNotice {
 };
 
 EagerNotice readEagerNotice(const std::string& data, const Peer& source) {
-  EagerNotice notice{};
-  if (data.size() != sizeof(notice)) {
-    fail("malformed eager announcement (", data.size(), " B) from ", source.describe());
-  }
-  std::memcpy(&notice, data.data(), sizeof(notice));
-  return notice;
+  const auto notice = fromBytes<EagerNotice>(data);
+  if (!notice) fail("malformed eager announcement (", data.size(), " B) from ", source.describe());
+  return *notice;
 }
 
 EagerSlot slotOf(const EagerNotice& notice) {
@@ -43,7 +40,7 @@ std::string CopyEngineChannel::announce(const Op& send) {
   const EagerSlot& slot = state.eager->slot;
   const EagerNotice notice{slot.device, slot.staged.slot, slot.staged.use,
                            state.eager->after ? 1u : 0u};
-  return std::string(reinterpret_cast<const char*>(&notice), sizeof(notice));
+  return toBytes(notice);
 }
 
 void CopyEngineChannel::prepareSend(const std::shared_ptr<Op>& send, Peer& destination) {

@@ -109,7 +109,7 @@ void EagerLanes::enqueueFill(Outgoing& lane, const EagerSlot& eager, const Buffe
   produced.waitOn(copyStream);
   cuda::queueCopy(copyStream, buffer.device,
                   {lane.ring->slotAddress(eager.staged, buffer.device), eager.device},
-                  {reinterpret_cast<CUdeviceptr>(buffer.data), buffer.device}, buffer.bytes,
+                  cuda::Place::of(buffer.data, buffer.device), buffer.bytes,
                   "cuMemcpyAsync (to an eager slot)");
   copied.record(copyStream);
   const cuda::Flag full = lane.ring->full(eager.staged);
@@ -276,7 +276,7 @@ bool EagerLanes::queueCopyOutLocked(EagerRecv& recv, CUstream stream) {
   const cuda::Flag full = recv.ring->full(eager.staged);
   cuda::waitForRemoteWrites(stream, device, flags_.cudaAddress(full.index), full.value,
                             "cuStreamWaitValue32 (eager slot full)");
-  cuda::queueCopy(stream, device, {reinterpret_cast<CUdeviceptr>(recv.buffer.data), device},
+  cuda::queueCopy(stream, device, cuda::Place::of(recv.buffer.data, device),
                   {recv.ring->slotAddress(eager.staged.slot), recv.ring->device()},
                   recv.buffer.bytes, "cuMemcpyAsync (out of an eager slot)");
   recv.copied = cuda::takeEvent(device);

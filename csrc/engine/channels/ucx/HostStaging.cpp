@@ -36,8 +36,8 @@ void* addressIn(void* base, uint64_t offset) { return static_cast<char*>(base) +
 void copyOn(CUstream stream, int device, const char* direction, const void* to,
             const void* from, uint64_t bytes) {
   const bool toHost = direction == kToHost;
-  const cuda::Place target{reinterpret_cast<CUdeviceptr>(to), toHost ? cuda::kHostMemory : device};
-  const cuda::Place source{reinterpret_cast<CUdeviceptr>(from), toHost ? device : cuda::kHostMemory};
+  const auto target = cuda::Place::of(to, toHost ? cuda::kHostMemory : device);
+  const auto source = cuda::Place::of(from, toHost ? device : cuda::kHostMemory);
   cuda::queueCopy(stream, device, target, source, bytes,
                   concat("cuMemcpyAsync (", direction, ")").c_str());
 }
