@@ -138,7 +138,7 @@ def _outputs_by_hand(op, layout, inputs, n):
 def test_collectives_check_finds_a_misplaced_piece(op):
     import torch
 
-    from smfree_pg.bench.collectives import Layout, make_input, wrong_piece
+    from smfree_pg.bench.pieces import Layout, make_input, wrong_piece
 
     world, n, cpu = 3, 8, torch.device("cpu")
     layout = Layout(op, world, n)
@@ -161,7 +161,7 @@ def test_collectives_check_finds_a_misplaced_piece(op):
 
 def test_collectives_ops_option_takes_short_names(capsys):
     from smfree_pg.bench.cli import parse_args
-    from smfree_pg.bench.collectives import OPS
+    from smfree_pg.bench.pieces import OPS
     from smfree_pg.bench.sections import SECTIONS
 
     args = parse_args(SECTIONS, "bench", ["--only", "collectives"])
@@ -176,7 +176,7 @@ def test_collectives_ops_option_takes_short_names(capsys):
 def test_uneven_all_to_all_pieces_as_an_moe_layer_sends_them():
     import torch
 
-    from smfree_pg.bench.collectives import UNEVEN, Layout, make_input
+    from smfree_pg.bench.pieces import UNEVEN, Layout, make_input
     from smfree_pg.bench.data import pattern
 
     layout = Layout(UNEVEN, 2, 300)
@@ -199,7 +199,8 @@ def test_uneven_all_to_all_pieces_as_an_moe_layer_sends_them():
 def _every_op_as_the_bench_calls_it(rank, world):
     import torch
 
-    from smfree_pg.bench.collectives import OPS, Layout, call, input_of, make_input, wrong_piece
+    from smfree_pg.bench.collectives import call, input_of
+    from smfree_pg.bench.pieces import OPS, Layout, make_input, wrong_piece
 
     errors = []
     for op in OPS:

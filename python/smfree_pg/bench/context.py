@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import faulthandler
+import socket
 import time
 from dataclasses import dataclass
 
@@ -48,6 +49,13 @@ class Ctx:
 
     def disarm_watchdog(self) -> None:
         faulthandler.cancel_dump_traceback_later()
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that was free a moment ago: for a store of new processes."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def barrier(ctx: Ctx) -> None:

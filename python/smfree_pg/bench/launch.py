@@ -8,7 +8,6 @@ import contextlib
 import copy
 import os
 import shlex
-import socket
 import sys
 import time
 from datetime import timedelta
@@ -21,7 +20,7 @@ import torch.multiprocessing as mp
 import smfree_pg  # noqa: F401  (registers the backend)
 from smfree_pg import bench
 from smfree_pg.bench.cli import parse_args
-from smfree_pg.bench.context import REFERENCE, Ctx, barrier, log
+from smfree_pg.bench.context import REFERENCE, Ctx, barrier, free_port, log
 from smfree_pg.bench.report import new_report, print_header, write_report
 from smfree_pg.bench.sections import SECTIONS
 
@@ -103,12 +102,6 @@ def check_torchrun_connections(settings: list[str] | None) -> None:
         sys.exit(f"smfree bench: under torchrun the ranks' {CONNECTIONS} is {have}, not "
                  f"{','.join(settings)}: set it in torchrun's environment (one setting per "
                  "launch), or let the bench spawn its ranks")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _spawned_rank(rank: int, world: int, init_method: str, args: argparse.Namespace) -> None:

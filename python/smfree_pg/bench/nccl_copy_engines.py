@@ -21,11 +21,11 @@ import torch
 import torch.distributed as dist
 
 from smfree_pg.bench.bandwidth import seconds_per_op
-from smfree_pg.bench.context import Ctx, gather
+from smfree_pg.bench.context import Ctx, free_port, gather
+from smfree_pg.bench.pieces import ALL_GATHER, ALL_TO_ALL, Layout, make_input, wrong_piece
 from smfree_pg.bench.sizes import format_size
 
 MARKER = "SMFREE_NCCL_COPY_ENGINES"
-ALL_GATHER, ALL_TO_ALL = "all_gather_into_tensor", "all_to_all_single"
 OPS = (ALL_GATHER, ALL_TO_ALL)  # the even ones NCCL 2.28 runs on copy engines and torch reaches
 TIMEOUT_S = 150
 
@@ -36,8 +36,6 @@ def measure(ctx: Ctx, ops: list[str], sizes: list[int], iters: int, reps: int) -
     ops = [op for op in ops if op in OPS]
     if not ops:
         return {"rows": [], "error": None}
-    from smfree_pg.bench.launch import free_port  # here: launch imports every section
-
     port = gather(ctx, free_port() if ctx.rank == 0 else None)[0]
     env = {**os.environ, "RANK": str(ctx.rank), "WORLD_SIZE": str(ctx.world),
            "LOCAL_RANK": str(ctx.device.index), "MASTER_ADDR": "127.0.0.1",
@@ -78,8 +76,6 @@ def run_child(command: list[str], env: dict) -> dict:
 
 def child(args: argparse.Namespace) -> dict:
     import torch.distributed._symmetric_memory as symm_mem
-
-    from smfree_pg.bench.collectives import Layout, make_input, wrong_piece
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
