@@ -272,15 +272,23 @@ def measure_gemm(ctx: Ctx, op: str, matrices, args) -> dict:
 def run(ctx: Ctx, args) -> dict:
     if ctx.world < 2:
         raise RuntimeError("smfree bench: the collectives section needs at least 2 ranks")
-    rows = [measure_calls(ctx, op, size, args)
-            for op in args.collectives_ops for size in args.collectives_sizes]
+    rows = []
+    for op in args.collectives_ops:
+        for size in args.collectives_sizes:
+            ctx.arm_watchdog()  # a whole section may run longer than the group timeout
+            rows.append(measure_calls(ctx, op, size, args))
     a = torch.randn(args.gemm_n, args.gemm_n, device=ctx.device, dtype=torch.bfloat16)
     matrices = (a, torch.randn_like(a), torch.empty_like(a))
-    gemm = [measure_gemm(ctx, op, matrices, args)
-            for op in (ALL_GATHER, ALL_TO_ALL, UNEVEN) if op in args.collectives_ops]
+    gemm = []
+    for op in (ALL_GATHER, ALL_TO_ALL, UNEVEN):
+        if op in args.collectives_ops:
+            ctx.arm_watchdog()
+            gemm.append(measure_gemm(ctx, op, matrices, args))
+    ctx.arm_watchdog()
     nccl_ce = nccl_copy_engines.measure(ctx, args.collectives_ops, args.collectives_sizes,
                                         args.collectives_iters, args.collectives_reps)
     # The floor comes last: it gives rank 0 a CUDA context on every rank's GPU.
+    ctx.arm_watchdog()
     floor_skipped = add_floors(ctx, rows, args)
     return {
         "world": ctx.world,
