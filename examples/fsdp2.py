@@ -10,13 +10,13 @@ communicator then takes every collective of smfree's group):
     torchrun --nproc-per-node=4 examples/fsdp2.py --rounds 3 --json fsdp2.json
     SMFREE_COLLECTIVES=off torchrun --nproc-per-node=4 examples/fsdp2.py
 
-Each round trains both backends, each on a fresh model, smfree first in odd rounds and NCCL
+Each round trains both backends, each on a fresh model, smfree first in odd rounds and the other
 first in even ones (a first run may pay for what the second finds warm); --rounds R repeats
-that, so the machine's drift shows in the per-round ratios. Rank 0 prints each run's losses (mean over
-ranks, repr: every bit) and a table of step times, whether every rank's loss of every step is
-bitwise equal between the backends, and whether the final parameters are. It also times each
-of FSDP2's all-gather calls on the CPU (FSDP2 makes them with async_op=False, so each includes
-its wait()): a loop whose CPU is the bottleneck pays that time in its step.
+that, so the machine's drift shows in the per-round ratios. Rank 0 prints each run's losses
+(mean over ranks, repr: every bit) and a table of step times, whether every rank's loss of every
+step is bitwise equal between the backends, and whether the final parameters are. It also times
+each of FSDP2's all-gather calls on the CPU (FSDP2 makes them with async_op=False, so each
+includes its wait()): a loop whose CPU is the bottleneck pays that time in its step.
 
 Kernels run in deterministic mode (torch.use_deterministic_algorithms), since flash
 attention's backward otherwise differs from run to run and the comparison would say nothing

@@ -9,6 +9,7 @@ setting of the whole process. Each process prints one line, MARKER and JSON.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -100,8 +101,9 @@ def child(args: argparse.Namespace) -> dict:
                 symm_mem.rendezvous(out, group=name)
                 inp.copy_(make_input(layout, rank, device))
                 out.zero_()
-                call = (lambda: dist.all_gather_into_tensor(out, inp)) if op == ALL_GATHER \
-                    else (lambda: dist.all_to_all_single(out, inp))
+                collective = (dist.all_gather_into_tensor if op == ALL_GATHER
+                              else dist.all_to_all_single)
+                call = functools.partial(collective, out, inp)
                 call()
                 torch.cuda.synchronize()
                 wrong = wrong_piece(layout, out, rank, range(world), f"rank {rank}, {where}")

@@ -66,8 +66,9 @@ namespace smfree::engine {
 // cycle; and since the chain holds every smfree wait of the process in the order they were
 // made, each after every `ready` written before it, every node of this process that a wait
 // depends on, through a peer, is an ancestor of that wait in the graph and runs before it,
-// however the graph's nodes share hardware queues (CUDA_DEVICE_MAX_CONNECTIONS=1 too). (Another library's collective in the same graph waits
-// for its peers outside this order, as it would beside NCCL's point-to-point kernels.)
+// however the graph's nodes share hardware queues (CUDA_DEVICE_MAX_CONNECTIONS=1 too).
+// (Another library's collective in the same graph waits for its peers outside this order, as
+// it would beside NCCL's point-to-point kernels.)
 //
 // Faults: each wait is bracketed by writes of a watched word (GraphWait). A wait that lasts the
 // group timeout (a peer that stopped replaying), or any wait of an op whose peer died, is

@@ -1,6 +1,5 @@
 #include "engine/channels/copy_engine/CopyEngineChannel.h"
 
-#include <algorithm>
 #include <cstring>
 
 #include "engine/Error.h"
