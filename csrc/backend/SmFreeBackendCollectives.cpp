@@ -6,6 +6,8 @@
 #include <c10/util/Exception.h>
 #include <c10/util/StringUtil.h>
 
+#include <mutex>
+
 #include "engine/Error.h"
 #include "engine/Log.h"
 
@@ -40,11 +42,14 @@ bool SmFreeBackend::onCopyEngines(Collective collective, const char* op,
       return false;
     }
   }
-  engine::logOnce("collectives-on",
-                  c10::str("collectives on the copy engines (SMFREE_COLLECTIVES): ",
-                           c10::Join(",", collectivesOnCopyEngines()), ", from pieces of ",
-                           collectiveMinBytes(), " B (SMFREE_COLLECTIVE_MIN_BYTES); smaller ones, "
-                           "the others and reductions go to NCCL"));
+  // Once per process, without building the line at every call (a CPU-bound loop pays it).
+  static std::once_flag logged;
+  std::call_once(logged, [] {
+    engine::log(engine::LogLevel::kInfo, "collectives on the copy engines (SMFREE_COLLECTIVES): ",
+                c10::Join(",", collectivesOnCopyEngines()), ", from pieces of ",
+                collectiveMinBytes(), " B (SMFREE_COLLECTIVE_MIN_BYTES); smaller ones, the others "
+                "and reductions go to NCCL");
+  });
   return true;
 }
 

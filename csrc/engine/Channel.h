@@ -30,6 +30,8 @@ struct PostOptions {
   // Recvs: Op::seq is the recv's place in its (source, tag) line, which the n-th send of that
   // line meets; false where that cannot be known at the post.
   bool placeKnown = false;
+  std::string peerFlagSegment;  // same-host peers: where its flag segment is mapped
+  int peerPid = 0;
 };
 
 // A data channel moves the bytes of a matched send/recv pair; the control plane has already

@@ -42,6 +42,8 @@ Group::Group(std::shared_ptr<Engine> engine, std::shared_ptr<const GroupConfig> 
       timeoutMs_(timeout.count()),
       connected_(std::make_unique<std::atomic<bool>[]>(config_->size)),
       processKeys_(config_->size),
+      flagSegments_(config_->size),
+      pids_(config_->size),
       sameHost_(std::make_unique<std::atomic<bool>[]>(config_->size)),
       stagesCuda_(std::make_unique<std::atomic<bool>[]>(config_->size)) {
   for (int rank = 0; rank < config_->size; ++rank) {
@@ -79,6 +81,8 @@ void Group::connect(int rank) {
   {
     std::lock_guard<std::mutex> lock(keysMutex_);
     processKeys_[rank] = address.processKey;
+    flagSegments_[rank] = address.flagSegment;
+    pids_[rank] = address.pid;
   }
   sameHost_[rank] = address.hostKey == engine_->localAddress().hostKey;
   connected_[rank].store(true, std::memory_order_release);
@@ -133,6 +137,8 @@ std::optional<CudaFence> Group::post(OpRequest request) {
       options.route.stagedThroughHost = stagesCuda_[peer];
       std::lock_guard<std::mutex> lock(keysMutex_);
       options.peerKey = processKeys_[peer];
+      options.peerFlagSegment = flagSegments_[peer];
+      options.peerPid = pids_[peer];
     }
     try {
       // A user's CUDA graph capture, in progress on this thread or another, neither refuses

@@ -97,6 +97,8 @@ class Group {
   std::unique_ptr<std::atomic<bool>[]> connected_;
   std::mutex keysMutex_;
   std::vector<std::string> processKeys_;  // by rank, once connected
+  std::vector<std::string> flagSegments_;  // the same
+  std::vector<int> pids_;                  // the same
   std::unique_ptr<std::atomic<bool>[]> sameHost_;  // by rank, written before connected_
   std::unique_ptr<std::atomic<bool>[]> stagesCuda_;  // by rank, written before connected_
   std::atomic<bool> closed_{false};

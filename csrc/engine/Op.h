@@ -72,7 +72,9 @@ enum class OpState : uint8_t {
 };
 
 // An op inside the engine. Touched only on the progress thread once posted.
-struct Op {
+// Shared: a channel that must keep an ended op past its end (a copy still writing its buffer)
+// takes a reference from it.
+struct Op : std::enable_shared_from_this<Op> {
 
   uint64_t id = 0;
   OpRequest request;

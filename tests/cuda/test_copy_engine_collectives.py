@@ -1,10 +1,11 @@
 """Collectives on the copy engines: all-gather (into a tensor, in place as FSDP2 calls it, into a
 list, coalesced), all-to-all (equal and uneven splits, lists), broadcast, gather and scatter of
 CUDA tensors between ranks of one host give NCCL's bytes, run on the copy engines (the group
-counts them), follow stream order with async_op, replay inside CUDA graphs with no kernel node,
-launch no kernel; bad calls are refused naming the op and post nothing; a rank that never joins
-fails the others' collective at the group timeout, naming it; one that dies fails it within the
-failure detection's time, and later calls at once; calls with pieces under
+counts them), follow stream order with async_op, let a rank's wait() return before the other
+ranks post (collective lanes: the later rank's post queues the copy), replay inside CUDA graphs
+with no kernel node, launch no kernel; bad calls are refused naming the op and post nothing; a
+rank that never joins fails the others' collective at the group timeout, naming it; one that dies
+fails it within the failure detection's time, and later calls at once; calls with pieces under
 SMFREE_COLLECTIVE_MIN_BYTES go to NCCL."""
 
 import os
@@ -161,6 +162,56 @@ def test_collectives_follow_stream_order():
         assert seen_a2a == [float(10 * r) for r in range(world)]
 
 
+LANE_STATS = ("collective_first", "collective_second", "collective_by_rendezvous")
+
+
+def _late_partners(rank, world):
+    # Rank 0 posts an all-gather and an all-to-all and returns from their wait()s before any
+    # other rank posts (the store holds the others back, so a wait() that waited for them would
+    # hang): its pieces are first, and the others' posts queue every copy. Rank 0's stream
+    # reaches the posts 200 ms late, after writing its inputs and clearing its outputs, so those
+    # copies are right only if they wait for its stream.
+    dev = torch.device("cuda", rank)
+    backend = dist.group.WORLD._get_backend(dev)
+    numel = 1 << 20
+    before = backend._stats()
+    if rank == 0:
+        torch.cuda._sleep(200_000_000)
+    mine = pattern(numel, torch.float32, rank, dev)
+    flat = torch.full((numel * world,), -1.0, device=dev)
+    send = pattern(numel * world, torch.float32, 50 + rank, dev)
+    got = torch.full_like(send, -1.0)
+    store = dist.distributed_c10d._get_default_store()
+    if rank != 0:
+        store.wait(["rank 0 waited"])
+    dist.all_gather_into_tensor(flat, mine)
+    dist.all_to_all_single(got, send)
+    if rank == 0:
+        store.set("rank 0 waited", "1")
+    torch.cuda.synchronize()
+    after = backend._stats()
+    gathered = torch.cat([pattern(numel, torch.float32, r, dev) for r in range(world)])
+    exchanged = torch.cat([pattern(numel * world, torch.float32, 50 + r, dev)
+                           .narrow(0, rank * numel, numel) for r in range(world)])
+    counts = {key: after[key] - before[key] for key in LANE_STATS}
+    return torch.equal(flat, gathered), torch.equal(got, exchanged), counts
+
+
+def test_a_collective_wait_returns_before_the_other_ranks_post():
+    world = _world()
+    COPY_ENGINE.skip_unless_ranks(world)
+    results = COPY_ENGINE.run(_late_partners, world, timeout=120, env=ALL_ON)
+    pieces = 4 * (world - 1)  # each call: a send to and a recv from every other rank
+    for rank, (gathered, exchanged, counts) in enumerate(results):
+        assert gathered and exchanged, f"rank {rank}: wrong bytes"
+        assert counts["collective_by_rendezvous"] == 0, f"rank {rank}: {counts}"
+        assert counts["collective_first"] + counts["collective_second"] == pieces, counts
+        if rank == 0:
+            assert counts["collective_first"] == pieces, counts
+        else:
+            assert counts["collective_second"] >= 4, counts  # its pieces with rank 0
+
+
 def _captured(rank, world, replays):
     dev = torch.device("cuda", rank)
     numel = 1 << 18
@@ -283,8 +334,12 @@ def _one_rank_missing(rank, world):
         return None
     start = time.monotonic()
     try:
+        # Its wait() returns at once (collective lanes: the other ranks' posts queue the
+        # copies); the group timeout fails it, which releases the stream, and the group's next
+        # call raises.
         dist.all_gather_into_tensor(flat, mine)
         torch.cuda.synchronize()
+        dist.all_gather_into_tensor(flat, mine)
         error = None
     except RuntimeError as e:
         error = str(e)
@@ -318,10 +373,13 @@ def _one_rank_dies(rank, world):
         os._exit(1)  # dies without a word before the others' next all-gather
     errors = []
     start = time.monotonic()
-    for _ in range(2):
+    # The first call's wait() returns at once (collective lanes); the death fails it, and the
+    # call after raises. The one after that is refused at once.
+    for calls in (2, 1):
         try:
-            dist.all_gather_into_tensor(flat, mine)
-            torch.cuda.synchronize()
+            for _ in range(calls):
+                dist.all_gather_into_tensor(flat, mine)
+                torch.cuda.synchronize()
             errors.append(None)
         except RuntimeError as e:
             errors.append(str(e))

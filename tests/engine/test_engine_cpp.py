@@ -16,7 +16,8 @@ SOURCES = ["Matcher.cpp", "Wire.cpp", "TensorDesc.cpp", "Op.cpp", "Log.cpp", "Co
            "cuda/StreamMemoryOps.cpp", "cuda/Copies.cpp", "cuda/Bounce.cpp",
            "cuda/PinnedMemory.cpp", "channels/copy_engine/StagingRing.cpp",
            "channels/copy_engine/RingMemory.cpp",
-           "channels/copy_engine/EagerLanes.cpp", "channels/captured/GraphWait.cpp",
+           "channels/copy_engine/EagerLanes.cpp", "channels/copy_engine/CollectiveRecords.cpp",
+           "channels/captured/GraphWait.cpp",
            "channels/captured/CapturedAnnouncement.cpp",
            "channels/captured/PostedRecvs.cpp"]
 

@@ -14,9 +14,11 @@ namespace smfree::engine::cuda {
 namespace {
 
 constexpr size_t kBytes = FlagSegment::kWords * sizeof(uint32_t);
+// The words and the tail after them: one mapping per process, of which CUDA registers the words.
+constexpr size_t kFileBytes = kBytes + FlagSegment::kTailBytes;
 
 volatile uint32_t* mapWords(int fd, const std::string& what) {
-  void* address = mmap(nullptr, kBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  void* address = mmap(nullptr, kFileBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (address == MAP_FAILED) {
     fail("cannot map ", what, ": ", std::strerror(errno));
   }
@@ -49,7 +51,8 @@ bool reached(uint32_t word, uint32_t value) {
 
 FlagSegment::FlagSegment() {
   fd_ = memfd_create("smfree-flags", MFD_CLOEXEC);
-  if (fd_ < 0 || ftruncate(fd_, kBytes) != 0) {
+  // The tail costs no memory until a page of it is touched.
+  if (fd_ < 0 || ftruncate(fd_, kFileBytes) != 0) {
     fail("cannot create the flag segment: ", std::strerror(errno));
   }
   words_ = mapWords(fd_, "the flag segment");
@@ -63,7 +66,7 @@ FlagSegment::~FlagSegment() {
   if (registered_) {
     driver().cuMemHostUnregister(const_cast<uint32_t*>(words_));
   }
-  munmap(const_cast<uint32_t*>(words_), kBytes);
+  munmap(const_cast<uint32_t*>(words_), kFileBytes);
   close(fd_);
 }
 
@@ -127,7 +130,7 @@ RemoteFlagSegment::~RemoteFlagSegment() {
   if (registered_) {
     driver().cuMemHostUnregister(const_cast<uint32_t*>(words_));
   }
-  munmap(const_cast<uint32_t*>(words_), kBytes);
+  munmap(const_cast<uint32_t*>(words_), kFileBytes);
 }
 
 bool RemoteFlagSegment::isSet(const Flag& flag) const {

@@ -23,6 +23,9 @@ struct Flag {
 class FlagSegment {
  public:
   static constexpr uint32_t kWords = 16384;
+  // Past its words the file holds a tail that same-host peers share with CPU atomics only
+  // (never registered with CUDA): the copy engines' collective lanes keep their records there.
+  static constexpr size_t kTailBytes = size_t{256} << 20;
 
   FlagSegment();
   ~FlagSegment();
@@ -50,6 +53,10 @@ class FlagSegment {
   void store(const Flag& flag, uint32_t value) const;
   // The word itself, for a thread that watches it.
   volatile uint32_t* word(const Flag& flag) const { return words_ + flag.index; }
+  // The shared tail (kTailBytes).
+  char* tail() const {
+    return const_cast<char*>(reinterpret_cast<volatile char*>(words_ + kWords));
+  }
 
  private:
   int fd_ = -1;
@@ -92,6 +99,10 @@ class RemoteFlagSegment {
   void* cudaAddress(uint32_t index);
   // The word itself, for a compare-and-swap shared with its owner.
   volatile uint32_t* word(const Flag& flag) const { return words_ + flag.index; }
+  // The owner's shared tail (FlagSegment::kTailBytes).
+  char* tail() const {
+    return const_cast<char*>(reinterpret_cast<volatile char*>(words_ + FlagSegment::kWords));
+  }
 
  private:
   volatile uint32_t* words_ = nullptr;

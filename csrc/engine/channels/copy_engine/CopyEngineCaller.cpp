@@ -21,6 +21,8 @@ CudaFence CopyEngineChannel::prepare(Op& op, const PostOptions& options) {
   }
   cudaOps_.admit(options.timeout);
   auto state = std::make_unique<CopyEngineOp>();
+  // A collective's piece: a collective lane decides, at this post, which side queues its copy.
+  const bool byLane = op.isCollective() && op.request.buffer.bytes != 0 && !options.peerKey.empty();
   try {
     state->queued = flags_.acquire();
     if (op.isSend()) {
@@ -28,6 +30,11 @@ CudaFence CopyEngineChannel::prepare(Op& op, const PostOptions& options) {
       state->produced = cuda::takeEvent(device);
       state->copied = cuda::takeEvent(device);
       state->produced->record(static_cast<CUstream>(op.request.stream));
+      if (byLane) {
+        state->done = flags_.acquire(kDoneSpan);
+        state->producedWord = flags_.acquire();
+        cudaOps_.writeFromStream(op, state->producedWord);
+      }
       if (lanes_.enabled() && !options.peerKey.empty() && !op.isCollective()) {
         state->eager =
             lanes_.push(op, laneOf(op, options.peerKey), *state->produced, *state->copied);
@@ -42,6 +49,10 @@ CudaFence CopyEngineChannel::prepare(Op& op, const PostOptions& options) {
       state->done = flags_.acquire(kDoneSpan);
       state->ready = flags_.acquire();
       cudaOps_.writeFromStream(op, state->ready);
+      if (byLane) {
+        state->produced = cuda::takeEvent(op.request.buffer.device);
+        state->produced->record(static_cast<CUstream>(op.request.stream));
+      }
       // Only a recv that fits a slot can learn its message is eager; others cost nothing here.
       const uint64_t bytes = op.request.buffer.bytes;
       if (options.placeKnown && bytes != 0 && bytes <= lanes_.slotBytes() &&
@@ -53,18 +64,27 @@ CudaFence CopyEngineChannel::prepare(Op& op, const PostOptions& options) {
         lanes_.posted(state->eagerRecv);
       }
     }
+    if (byLane) {
+      const PieceWords words{op.isSend() ? state->producedWord : state->ready, state->done,
+                              state->produced.get()};
+      state->collective = collectiveLanes_.post(op, options, words);
+      // First: the partner's post queues the copy; second: this post did.
+      if (state->collective) flags_.set(state->queued);
+    }
   } catch (...) {
     // A value of 0 is never handed out: those words were not acquired.
-    if (state->queued.value != 0) flags_.release(state->queued);
-    if (state->done.value != 0) flags_.release(state->done);
-    if (state->ready.value != 0) flags_.release(state->ready);
+    for (const cuda::Flag* flag :
+         {&state->queued, &state->done, &state->ready, &state->producedWord}) {
+      if (flag->value != 0) flags_.release(*flag);
+    }
     cudaOps_.retire();
     throw;
   }
+  // An op of a collective lane has no `copied` event: its stream waits for its `done` word.
   const CudaFence fence{.channel = ChannelKind::kCopyEngine,
                         .queued = state->queued,
                         .done = state->done,
-                        .copied = state->copied,
+                        .copied = state->collective ? nullptr : state->copied,
                         .eagerRecv = state->eagerRecv};
   op.channelState = std::move(state);
   return fence;
@@ -107,9 +127,10 @@ void CopyEngineChannel::ended(Op& op, const Status& status) {
   if (state.eagerRecv && !state.eagerRecv->claimBy(EagerRecv::kByProgress) && !status.ok()) {
     releaseEagerRecv(*state.eagerRecv);
   }
+  if (state.collective && !status.ok()) endCollective(op);
   if (status.ok() && op.request.desc.bytes != 0) return;
   flags_.set(state.queued);
-  if (!op.isSend()) flags_.set(state.done);
+  if (state.done.value != 0) flags_.set(state.done);
 }
 
 void CopyEngineChannel::release(Op& op) {
@@ -117,10 +138,10 @@ void CopyEngineChannel::release(Op& op) {
   // last holder (a work may still make a stream wait on `copied`).
   CopyEngineOp& state = copyEngineOp(op);
   flags_.release(state.queued);
-  if (!op.isSend()) {
-    flags_.release(state.done);
-    cudaOps_.releaseOnceWritten(state.ready);
-  }
+  if (state.done.value != 0) flags_.release(state.done);
+  if (!op.isSend()) cudaOps_.releaseOnceWritten(state.ready);
+  if (state.producedWord.value != 0) cudaOps_.releaseOnceWritten(state.producedWord);
+  if (state.collective) collectiveLanes_.finished(*state.collective);
   state.produced.reset();
   state.copied.reset();
   cudaOps_.retire();

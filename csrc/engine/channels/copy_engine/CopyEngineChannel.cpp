@@ -25,13 +25,23 @@ CopyEngineChannel::CopyEngineChannel(CudaOps& cudaOps, const ProgressThread& thr
       onDone_(std::move(onDone)),
       notify_(std::move(notify)),
       release_(std::move(release)),
-      lanes_(cudaOps.flags(), ringMemory_, eagerBytes) {}
+      lanes_(cudaOps.flags(), ringMemory_, eagerBytes),
+      collectiveLanes_(cudaOps.flags(), ipcCacheSize,
+              [this](const std::string& key, const std::string& path) -> cuda::RemoteFlagSegment& {
+                return flagsOf(key, path);
+              }) {}
 
 bool CopyEngineChannel::reaches(const Peer& peer) const { return peer.sameHost; }
 
 cuda::RemoteFlagSegment& CopyEngineChannel::flagsOf(const Peer& peer) {
-  auto& flags = peerFlags_[peer.address.processKey];
-  if (!flags) flags = std::make_unique<cuda::RemoteFlagSegment>(peer.address.flagSegment);
+  return flagsOf(peer.address.processKey, peer.address.flagSegment);
+}
+
+cuda::RemoteFlagSegment& CopyEngineChannel::flagsOf(const std::string& key,
+                                                    const std::string& path) {
+  std::lock_guard<std::mutex> lock(peerFlagsMutex_);
+  auto& flags = peerFlags_[key];
+  if (!flags) flags = std::make_unique<cuda::RemoteFlagSegment>(path);
   return *flags;
 }
 
@@ -40,6 +50,10 @@ std::string CopyEngineChannel::armRecv(const std::shared_ptr<Op>& recv, Peer& so
   thread_.check("CopyEngineChannel::armRecv");
   if (!announced.empty()) return armEager(recv, source, announced);
   const CopyEngineOp& state = copyEngineOp(*recv);
+  if (state.collective) {
+    moveCollective(recv, &source);
+    return {};  // its sender's op knows from its record: the copy is queued
+  }
   if (state.eagerRecv && !state.eagerRecv->claimBy(EagerRecv::kByProgress)) {
     fail(recv->describe(), " expected its message in an eager slot, and its sender sent it by "
          "rendezvous (the two sides' sizes differ)");
@@ -108,6 +122,14 @@ void CopyEngineChannel::startSend(const std::shared_ptr<Op>& send, Peer& destina
   thread_.check("CopyEngineChannel::startSend");
   if (copyEngineOp(*send).eager) {
     clearedEager(send);  // its bytes are in the receiver's slot, and the receiver took them
+    return;
+  }
+  if (copyEngineOp(*send).collective) {
+    if (!channelData.empty()) {
+      fail(send->describe(),
+           " went by a collective lane and its receiver cleared it by rendezvous");
+    }
+    moveCollective(send, &destination);
     return;
   }
   Transfer transfer{.op = send,
@@ -210,6 +232,7 @@ bool CopyEngineChannel::finishMove(Transfer& transfer) {
   if (transfer.held && !(op.isSend() ? fillHeld(transfer) : copyOutOnceFull(transfer))) {
     return false;
   }
+  if (transfer.collective) return finishCollective(transfer);
   if (op.isSend()) {
     Status status = Status::success();
     try {
@@ -251,6 +274,12 @@ bool CopyEngineChannel::finishMove(Transfer& transfer) {
 
 void CopyEngineChannel::cancel(Op& op) {
   thread_.check("CopyEngineChannel::cancel");
+  if (const auto& piece = copyEngineOp(op).collective) {
+    // A queued copy cannot be taken back; the op ends once it ran. Ours must not stay parked on
+    // a wedged peer's stream.
+    if (piece->role == CollectiveRole::kSecond) CollectiveLanes::release(*piece);
+    return;
+  }
   if (!op.isSend()) {
     return;  // the sender may still copy: the buffer stays until its `done` word says how it ended
   }
@@ -279,6 +308,7 @@ void CopyEngineChannel::cancel(Op& op) {
 }
 
 void CopyEngineChannel::partnerGaveUp(Op& op) {
+  if (copyEngineOp(op).collective) return;  // the copy was queued at a post: it ends as it runs
   for (auto it = moving_.begin(); it != moving_.end(); ++it) {
     if (it->op.get() == &op) {
       // A submitted copy out of a slot still writes the buffer: it ends as it finishes.
@@ -318,8 +348,9 @@ void CopyEngineChannel::peerFailed(Peer& peer) {
     it = held_.erase(it);
     onDone_(op, gone);
   }
+  peerFailedCollective(peer);
   for (auto it = moving_.begin(); it != moving_.end();) {
-    if (it->peer != &peer) {
+    if (it->peer != &peer || it->collective) {
       ++it;
     } else if (it->op->isSend() && it->held) {
       it = abandon(it, gone);  // its copy was never queued
@@ -354,6 +385,11 @@ std::string CopyEngineChannel::describeWait(const Op& op) const {
   };
   const CopyEngineOp& state = copyEngineOp(op);
   std::string text = flag("queued", flags_.wordOf(state.queued), state.queued);
+  if (const auto& piece = state.collective) {
+    const bool first = piece->role == CollectiveRole::kFirst;
+    return concat(text, ", collective lane, ", first ? "posted first" : "copy queued at its post",
+                  ", ", flag("done", flags_.wordOf(state.done), state.done.plus(kCopied)));
+  }
   if (!op.isSend()) {
     text += concat(", ", flag("ready", flags_.wordOf(state.ready), state.ready), ", ",
                    flag("done", flags_.wordOf(state.done), state.done.plus(kCopied)));
@@ -400,6 +436,7 @@ std::string CopyEngineChannel::describeWait(const Op& op) const {
 
 void CopyEngineChannel::sweep() {
   for (auto& [key, ids] : exporter_.sweep()) release_(key, std::move(ids));
+  for (auto& [key, ids] : collectiveLanes_.sweep()) release_(key, std::move(ids));
 }
 
 void CopyEngineChannel::addStats(std::map<std::string, int64_t>& stats) const {
@@ -415,6 +452,7 @@ void CopyEngineChannel::addStats(std::map<std::string, int64_t>& stats) const {
   stats["eager_sends_held"] = lanes_.heldSends();
   stats["eager_sends_by_rendezvous"] = lanes_.rendezvousSends();
   stats["ring_bytes"] = static_cast<int64_t>(ringMemory_.taken());
+  collectiveLanes_.addStats(stats);
 }
 
 std::string CopyEngineChannel::describeMemory() const {

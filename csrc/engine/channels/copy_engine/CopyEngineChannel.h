@@ -7,6 +7,7 @@
 #include <atomic>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <utility>
@@ -16,6 +17,7 @@
 #include "engine/CudaOps.h"
 #include "engine/ProgressThread.h"
 #include "engine/channels/copy_engine/CopyEngineOp.h"
+#include "engine/channels/copy_engine/CollectiveLanes.h"
 #include "engine/channels/copy_engine/EagerLanes.h"
 #include "engine/channels/copy_engine/StagingRing.h"
 #include "engine/cuda/FlagSegment.h"
@@ -52,6 +54,11 @@ namespace smfree::engine {
 // staged send. A send whose slot is still full at its post goes by rendezvous, or, where the
 // receiver's wait() claimed it eager, is held: the progress thread copies it once the slot is
 // empty, and its `queued` waits for that.
+//
+// Collective lanes (CollectiveLanes.h): a collective's piece is copied at the post of whichever
+// of its two ranks posts second, so that neither's wait() waits for the other; the rendezvous
+// then only ends both ops once the copy has written their `done` words
+// (CopyEngineCollective.cpp).
 class CopyEngineChannel final : public Channel {
  public:
   // Sends a ChannelNotice's data to a peer.
@@ -95,6 +102,7 @@ class CopyEngineChannel final : public Channel {
   void onNotice(Peer& source, const std::string& data) override;
   void onMemoryReleased(const std::string& owner, const std::vector<uint64_t>& ids) override {
     ipc_.forget(owner, ids);
+    collectiveLanes_.forget(owner, ids);
   }
   // Which flags an op still waits for, as "name index:word/wanted".
   std::string describeWait(const Op& op) const override;
@@ -134,13 +142,15 @@ class CopyEngineChannel final : public Channel {
     bool held = false;
     // Recvs whose copy out their caller's wait() queues: moving until that has run.
     std::shared_ptr<EagerRecv> callerCopiesOut;
+    bool collective = false;  // a collective lane's: moving until its `done` word says the copy ran
   };
   using RingKey = std::pair<std::string, int>;  // (peer's process key, ring's device)
 
   Clearance readClearance(const Op& send, Peer& destination, const std::string& channelData);
   bool stageable(uint64_t bytes) const;
-  // The peer's flag segment, mapped on the first send to it.
+  // The peer's flag segment, mapped on first use (any thread).
   cuda::RemoteFlagSegment& flagsOf(const Peer& peer);
+  cuda::RemoteFlagSegment& flagsOf(const std::string& key, const std::string& path);
   std::shared_ptr<StagingRing> ringFor(const Peer& source, int device);
   static LaneKey laneOf(const Op& op, const std::string& peerKey);
 
@@ -158,6 +168,14 @@ class CopyEngineChannel final : public Channel {
   bool copyOutOnceFull(Transfer& recv);
   // Empties the slots of held eager sends no recv took, once their copies have landed.
   bool emptyHeldSlots();
+
+  // Collective lanes (CopyEngineCollective.cpp). An op of one reached the match or its
+  // clearance: it moves until its `done` word is written. One that failed keeps its buffer while
+  // a copy may still come.
+  void moveCollective(const std::shared_ptr<Op>& op, Peer* peer);
+  void endCollective(Op& op);
+  bool finishCollective(Transfer& transfer);
+  void peerFailedCollective(const Peer& peer);
 
   void submitDirect(Transfer send);
   void submitStaged(Transfer send, const StagedSlot& slot);
@@ -191,10 +209,12 @@ class CopyEngineChannel final : public Channel {
   Notify notify_;
   Release release_;
   // By peer process key; kept after a peer fails, while copies still write its words.
+  std::mutex peerFlagsMutex_;
   std::map<std::string, std::unique_ptr<cuda::RemoteFlagSegment>> peerFlags_;
   std::map<RingKey, std::shared_ptr<StagingRing>> rings_;  // null: none can be had
   std::map<RingKey, std::shared_ptr<RemoteStagingRing>> remoteRings_;
   EagerLanes lanes_;
+  CollectiveLanes collectiveLanes_;
   std::atomic<uint64_t> eagerSends_{0};
   uint64_t eagerRecvs_ = 0;
   std::list<Transfer> held_;    // cleared sends waiting for a slot or for `ready`

@@ -70,6 +70,7 @@ bool CopyEngineChannel::outlivesWait(const Op& op) const {
   // An eager send's receiver may still need the slot's bytes, which its process's exit would
   // take away; a recv whose wait() queued its copy out ends when the bytes come.
   const CopyEngineOp& state = copyEngineOp(op);
+  if (state.collective) return true;  // its wait() returns before its copy is queued, or has run
   if (op.isSend()) return state.eager.has_value();
   return state.eagerRecv && state.eagerRecv->claim.load() == EagerRecv::kByCaller;
 }
