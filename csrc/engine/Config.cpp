@@ -95,6 +95,9 @@ Config Config::fromEnv() {
   config.stagingBytes =
       static_cast<uint64_t>(parseNonNegative("SMFREE_STAGING_BYTES", staging));
   config.eagerBytes = static_cast<uint64_t>(parseNonNegative("SMFREE_EAGER_BYTES", 16 << 20));
+  const long lanes = parseNonNegative("SMFREE_COLLECTIVE_LANES", 1);
+  if (lanes > 1) fail("SMFREE_COLLECTIVE_LANES must be 0 (off) or 1 (on)");
+  config.collectiveLanes = lanes == 1;
   config.ringMemoryBytes =
       static_cast<uint64_t>(parseNonNegative("SMFREE_RING_MEMORY_BYTES", 1l << 30));
   config.hostStagingPieceBytes =

@@ -51,6 +51,9 @@ struct Config {
   // Largest CUDA send on the copy engines that goes eagerly, into a slot of its receiver's
   // memory at its post (SMFREE_EAGER_BYTES); 0 turns eager sends off.
   uint64_t eagerBytes;
+  // Whether a collective's pieces are copied at the later rank's post (SMFREE_COLLECTIVE_LANES),
+  // so that its wait() returns at once; off, they go by rendezvous.
+  bool collectiveLanes;
   // GPU memory this process gives its senders' staging and eager rings, all devices together
   // (SMFREE_RING_MEMORY_BYTES); a ring beyond it is not made and its sends go by rendezvous.
   uint64_t ringMemoryBytes;

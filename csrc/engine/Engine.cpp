@@ -65,7 +65,7 @@ Engine::Engine(Private)
                               cudaOps_->flags().path());
   auto copyEngine = std::make_unique<CopyEngineChannel>(
       *cudaOps_, thread_, config_.ipcCacheSize, config_.stagingBytes, config_.eagerBytes,
-      config_.ringMemoryBytes, onDone,
+      config_.ringMemoryBytes, config_.collectiveLanes, onDone,
       [this](Peer& peer, std::string data) {
         peers_->send(peer, ChannelNotice{local_.processKey, ChannelKind::kCopyEngine,
                                           std::move(data)});

@@ -119,3 +119,10 @@ def test_the_way_copies_within_one_gpu_run_is_logged(value, way):
 def test_cuda_ops_in_flight_outside_their_range_are_refused(value):
     result = refused(SMFREE_MAX_CUDA_OPS=value)
     assert "SMFREE_MAX_CUDA_OPS must be between 1 and 3840" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("value,why", [("2", "must be 0 (off) or 1 (on)"),
+                                       ("on", "is not a non-negative integer")])
+def test_collective_lanes_other_than_0_or_1_are_refused(value, why):
+    result = refused(SMFREE_COLLECTIVE_LANES=value)
+    assert "SMFREE_COLLECTIVE_LANES" in result.stderr and why in result.stderr, result.stderr

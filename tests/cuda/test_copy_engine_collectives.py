@@ -122,11 +122,13 @@ def _against_nccl(rank, world):
     return different, torch.equal(gathered, expected), stats["collectives_on_copy_engines"]
 
 
-def test_collectives_give_nccls_bytes_on_the_copy_engines():
+@pytest.mark.parametrize("lanes", ["1", "0"])
+def test_collectives_give_nccls_bytes_on_the_copy_engines(lanes):
     world = _world()
     COPY_ENGINE.skip_unless_ranks(world)
+    env = dict(ALL_ON, SMFREE_COLLECTIVE_LANES=lanes)  # by collective lanes, or by rendezvous
     for rank, (different, gathered, counted) in enumerate(
-            COPY_ENGINE.run(_against_nccl, world, timeout=180, env=ALL_ON)):
+            COPY_ENGINE.run(_against_nccl, world, timeout=180, env=env)):
         assert different == [], f"rank {rank}: differs from NCCL: {different}"
         assert gathered, f"rank {rank}: all_gather_into_tensor misplaced bytes"
         # 6 all-gathers per (dtype, size), 2 coalesced, 4 all-to-alls, broadcast, gather, scatter

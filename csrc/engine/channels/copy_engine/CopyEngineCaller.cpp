@@ -22,7 +22,8 @@ CudaFence CopyEngineChannel::prepare(Op& op, const PostOptions& options) {
   cudaOps_.admit(options.timeout);
   auto state = std::make_unique<CopyEngineOp>();
   // A collective's piece: a collective lane decides, at this post, which side queues its copy.
-  const bool byLane = op.isCollective() && op.request.buffer.bytes != 0 && !options.peerKey.empty();
+  const bool byLane = lanesForCollectives_ && op.isCollective() && op.request.buffer.bytes != 0 &&
+                      !options.peerKey.empty();
   try {
     state->queued = flags_.acquire();
     if (op.isSend()) {

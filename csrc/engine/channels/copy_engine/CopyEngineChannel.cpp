@@ -14,8 +14,9 @@ namespace smfree::engine {
 
 CopyEngineChannel::CopyEngineChannel(CudaOps& cudaOps, const ProgressThread& thread,
                                      size_t ipcCacheSize, uint64_t stagingBytes,
-                                     uint64_t eagerBytes, uint64_t ringMemoryBytes, Done onDone,
-                                     Notify notify, Release release)
+                                     uint64_t eagerBytes, uint64_t ringMemoryBytes,
+                                     bool collectiveLanes, Done onDone, Notify notify,
+                                     Release release)
     : cudaOps_(cudaOps),
       thread_(thread),
       flags_(cudaOps.flags()),
@@ -29,7 +30,8 @@ CopyEngineChannel::CopyEngineChannel(CudaOps& cudaOps, const ProgressThread& thr
       collectiveLanes_(cudaOps.flags(), ipcCacheSize,
               [this](const std::string& key, const std::string& path) -> cuda::RemoteFlagSegment& {
                 return flagsOf(key, path);
-              }) {}
+              }),
+      lanesForCollectives_(collectiveLanes) {}
 
 bool CopyEngineChannel::reaches(const Peer& peer) const { return peer.sameHost; }
 
@@ -126,11 +128,15 @@ void CopyEngineChannel::startSend(const std::shared_ptr<Op>& send, Peer& destina
   }
   if (copyEngineOp(*send).collective) {
     if (!channelData.empty()) {
-      fail(send->describe(),
-           " went by a collective lane and its receiver cleared it by rendezvous");
+      fail(send->describe(), " went by a collective lane and its receiver cleared it by "
+           "rendezvous (SMFREE_COLLECTIVE_LANES must be alike on every rank)");
     }
     moveCollective(send, &destination);
     return;
+  }
+  if (send->isCollective() && channelData.empty()) {
+    fail(send->describe(), " went by rendezvous and its receiver's piece by a collective lane "
+         "(SMFREE_COLLECTIVE_LANES must be alike on every rank)");
   }
   Transfer transfer{.op = send,
                     .peer = &destination,

@@ -69,7 +69,7 @@ class CopyEngineChannel final : public Channel {
 
   CopyEngineChannel(CudaOps& cudaOps, const ProgressThread& thread, size_t ipcCacheSize,
                     uint64_t stagingBytes, uint64_t eagerBytes, uint64_t ringMemoryBytes,
-                    Done onDone, Notify notify, Release release);
+                    bool collectiveLanes, Done onDone, Notify notify, Release release);
 
   // Caller's thread (CopyEngineCaller.cpp).
   CudaFence prepare(Op& op, const PostOptions& options) override;
@@ -215,6 +215,7 @@ class CopyEngineChannel final : public Channel {
   std::map<RingKey, std::shared_ptr<RemoteStagingRing>> remoteRings_;
   EagerLanes lanes_;
   CollectiveLanes collectiveLanes_;
+  const bool lanesForCollectives_;  // SMFREE_COLLECTIVE_LANES
   std::atomic<uint64_t> eagerSends_{0};
   uint64_t eagerRecvs_ = 0;
   std::list<Transfer> held_;    // cleared sends waiting for a slot or for `ready`
