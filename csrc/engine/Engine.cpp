@@ -64,7 +64,8 @@ Engine::Engine(Private)
   local_ = PeerAddress::local(worker_->address(), ucx->receiveAddress(),
                               cudaOps_->flags().path());
   auto copyEngine = std::make_unique<CopyEngineChannel>(
-      *cudaOps_, thread_, config_.ipcCacheSize, config_.stagingBytes, config_.eagerBytes,
+      *cudaOps_, thread_, local_.processKey, config_.ipcCacheSize, config_.stagingBytes,
+      config_.eagerBytes,
       config_.ringMemoryBytes, config_.collectiveLanes, onDone,
       [this](Peer& peer, std::string data) {
         peers_->send(peer, ChannelNotice{local_.processKey, ChannelKind::kCopyEngine,

@@ -147,19 +147,19 @@ TEST(aCancelRacesATakeAndOneWins, "collective lanes: a cancel and a take race; e
 TEST(bothSidesFindOneLine, "collective lanes: both sides find a (group, rank) line in one table") {
   std::vector<char> tail(CollectiveLines::kTableBytes + 3 * CollectiveLines::kLineBytes, 0);
   const CollectiveLines lines(tail.data());
-  CollectiveRecord* first = lines.line(42, 1);
+  CollectiveRecord* first = lines.line(42, "process 1");
   CHECK(first != nullptr);
-  CHECK(lines.line(42, 1) == first);  // found again, from either side
-  CollectiveRecord* other = lines.line(42, 2);
+  CHECK(lines.line(42, "process 1") == first);  // found again, from either side
+  CollectiveRecord* other = lines.line(42, "process 2");
   CHECK(other != nullptr && other != first);
-  CHECK(lines.line(7, 1) != first);
+  CHECK(lines.line(7, "process 1") != first);
   // Raced by two threads on a fresh table: both get the same line.
   std::vector<char> fresh(CollectiveLines::kTableBytes + 3 * CollectiveLines::kLineBytes, 0);
   const CollectiveLines raced(fresh.data());
   CollectiveRecord* seenA = nullptr;
   CollectiveRecord* seenB = nullptr;
-  std::thread a([&] { seenA = raced.line(9, 0); });
-  std::thread b([&] { seenB = raced.line(9, 0); });
+  std::thread a([&] { seenA = raced.line(9, "process 0"); });
+  std::thread b([&] { seenB = raced.line(9, "process 0"); });
   a.join();
   b.join();
   CHECK(seenA != nullptr && seenA == seenB);

@@ -12,8 +12,13 @@
 
 namespace smfree::engine {
 
-CollectiveLanes::CollectiveLanes(cuda::FlagSegment& flags, size_t ipcCacheSize, PeerWords peerWords)
-    : flags_(flags), lines_(flags.tail()), peerWords_(std::move(peerWords)), ipc_(ipcCacheSize) {}
+CollectiveLanes::CollectiveLanes(cuda::FlagSegment& flags, std::string localKey,
+                                 size_t ipcCacheSize, PeerWords peerWords)
+    : flags_(flags),
+      localKey_(std::move(localKey)),
+      lines_(flags.tail()),
+      peerWords_(std::move(peerWords)),
+      ipc_(ipcCacheSize) {}
 
 CollectiveLanes::Peer& CollectiveLanes::peerFor(const PostOptions& options) {
   std::lock_guard<std::mutex> lock(mutex_);
@@ -35,8 +40,8 @@ std::unique_ptr<CollectivePiece> CollectiveLanes::post(const Op& op, const PostO
   piece->device = op.request.buffer.device;
   // The line lives in the receiver's file: both sides find it there.
   const CollectiveLines theirs(peer.words->tail());
-  CollectiveRecord* line = piece->sender ? theirs.line(op.groupId, op.config->rank)
-                                         : lines_.line(op.groupId, op.request.peer);
+  CollectiveRecord* line = piece->sender ? theirs.line(op.groupId, localKey_)
+                                         : lines_.line(op.groupId, options.peerKey);
   if (!line) {
     logOnce("collective-lines",
             "every collective lane into a process is taken: collective pieces of "

@@ -77,7 +77,9 @@ class CollectiveLanes {
   using PeerWords =
       std::function<cuda::RemoteFlagSegment&(const std::string& key, const std::string& path)>;
 
-  CollectiveLanes(cuda::FlagSegment& flags, size_t ipcCacheSize, PeerWords peerWords);
+  // `localKey`: this process's key, which names its lines in its receivers' files.
+  CollectiveLanes(cuda::FlagSegment& flags, std::string localKey, size_t ipcCacheSize,
+                  PeerWords peerWords);
 
   // Caller's thread, at the post of an uncaptured CUDA piece of a collective to a peer on this
   // host: first (published) or second (copy queued); null where the piece goes by rendezvous,
@@ -118,6 +120,7 @@ class CollectiveLanes {
   CUstream stream(int localDevice, int peerDevice, bool push);
 
   cuda::FlagSegment& flags_;
+  const std::string localKey_;
   CollectiveLines lines_;  // into this process
   PeerWords peerWords_;
   mutable std::mutex mutex_;  // the members below

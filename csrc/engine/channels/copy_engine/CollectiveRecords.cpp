@@ -84,10 +84,11 @@ bool cancelCollective(CollectiveRecord& record, uint32_t use, bool sender) {
   return loadWay(record) != wayValue(use, kTaken);
 }
 
-CollectiveRecord* CollectiveLines::line(uint64_t group, int senderRank) const {
+CollectiveRecord* CollectiveLines::line(uint64_t group, const std::string& senderKey) const {
+  // By process, not rank: a group made again under its name by new processes starts afresh.
   // Never 0, the key of an empty entry.
   const uint64_t key =
-      ((group * 0x9E3779B97F4A7C15ull) ^ (static_cast<uint64_t>(senderRank) + 1)) | (1ull << 63);
+      ((group * 0x9E3779B97F4A7C15ull) ^ std::hash<std::string>{}(senderKey)) | (1ull << 63);
   Table& lines = table();
   for (size_t probe = 0; probe < kTableEntries; ++probe) {
     Entry& entry = lines.entries[(key + probe) % kTableEntries];

@@ -3,6 +3,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <string>
 
 #include "engine/CudaOps.h"
 #include "engine/cuda/FlagSegment.h"
@@ -13,7 +14,7 @@ namespace smfree::engine {
 // no wait, which of them queues its copy (CollectiveLanes.h says what each then does). CPU atomics
 // on shared host memory only: the tail of the receiver's flag segment file.
 //
-// A line is one (group, sending rank) of the collective line into a process; its message n
+// A line is one (group, sending process) of the collective line into a process; its message n
 // uses record n % kCollectiveRecords, as use n / kCollectiveRecords. Each side writes its half of
 // the record, then one compare-and-swap on the record's way word says what happens:
 //   - the word is open for the use: this side posted first; it publishes (kFirst);
@@ -76,7 +77,7 @@ CollectiveRole decideCollective(CollectiveRecord& record, uint32_t use, bool sen
 // rendezvous), false if the other side took it (its copy comes).
 bool cancelCollective(CollectiveRecord& record, uint32_t use, bool sender);
 
-// The lines into one process: a table by (group, sending rank) and the lines' records, in the
+// The lines into one process: a table by (group, sending process) and the lines' records, in the
 // tail of its flag segment's file (`tail`, FlagSegment::kTailBytes). Either side finds or makes
 // a line, racing the other without harm.
 class CollectiveLines {
@@ -89,7 +90,7 @@ class CollectiveLines {
   explicit CollectiveLines(char* tail) : tail_(tail) {}
   // The line's records; null where every line is taken (its pieces then go by rendezvous, as
   // both sides find).
-  CollectiveRecord* line(uint64_t group, int senderRank) const;
+  CollectiveRecord* line(uint64_t group, const std::string& senderKey) const;
 
  private:
   struct Entry {

@@ -13,10 +13,10 @@
 namespace smfree::engine {
 
 CopyEngineChannel::CopyEngineChannel(CudaOps& cudaOps, const ProgressThread& thread,
-                                     size_t ipcCacheSize, uint64_t stagingBytes,
-                                     uint64_t eagerBytes, uint64_t ringMemoryBytes,
-                                     bool collectiveLanes, Done onDone, Notify notify,
-                                     Release release)
+                                     std::string processKey, size_t ipcCacheSize,
+                                     uint64_t stagingBytes, uint64_t eagerBytes,
+                                     uint64_t ringMemoryBytes, bool collectiveLanes, Done onDone,
+                                     Notify notify, Release release)
     : cudaOps_(cudaOps),
       thread_(thread),
       flags_(cudaOps.flags()),
@@ -27,7 +27,7 @@ CopyEngineChannel::CopyEngineChannel(CudaOps& cudaOps, const ProgressThread& thr
       notify_(std::move(notify)),
       release_(std::move(release)),
       lanes_(cudaOps.flags(), ringMemory_, eagerBytes),
-      collectiveLanes_(cudaOps.flags(), ipcCacheSize,
+      collectiveLanes_(cudaOps.flags(), std::move(processKey), ipcCacheSize,
               [this](const std::string& key, const std::string& path) -> cuda::RemoteFlagSegment& {
                 return flagsOf(key, path);
               }),

@@ -67,9 +67,10 @@ class CopyEngineChannel final : public Channel {
   // (MemoryReleased).
   using Release = std::function<void(const std::string&, std::vector<uint64_t>)>;
 
-  CopyEngineChannel(CudaOps& cudaOps, const ProgressThread& thread, size_t ipcCacheSize,
-                    uint64_t stagingBytes, uint64_t eagerBytes, uint64_t ringMemoryBytes,
-                    bool collectiveLanes, Done onDone, Notify notify, Release release);
+  CopyEngineChannel(CudaOps& cudaOps, const ProgressThread& thread, std::string processKey,
+                    size_t ipcCacheSize, uint64_t stagingBytes, uint64_t eagerBytes,
+                    uint64_t ringMemoryBytes, bool collectiveLanes, Done onDone, Notify notify,
+                    Release release);
 
   // Caller's thread (CopyEngineCaller.cpp).
   CudaFence prepare(Op& op, const PostOptions& options) override;
