@@ -87,6 +87,7 @@ struct Op : std::enable_shared_from_this<Op> {
   uint64_t seq = 0;        // send: position in its (group, receiver, tag) stream
   int source = -1;         // recv: the rank it was matched with
   int outstanding = 0;     // channel requests that still reference the buffer
+  bool awaitsProgress = false;  // live, and its caller's wait() may wait for the progress thread
   ChannelKind channel = ChannelKind::kUcx;  // chosen at the post; CPU tensors go over UCX
   // What the channel took for the op at its post (flags, events, staging): CUDA ops only.
   std::unique_ptr<OpChannelState> channelState;

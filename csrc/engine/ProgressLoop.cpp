@@ -78,7 +78,7 @@ void ProgressLoop::run() {
   cuda::markEngineThread();
   cuda::relaxOnceCudaIsLoaded();
   const auto now = Clock::now();
-  Clocks clocks{now, now, now};
+  Clocks clocks{now, now, now, now};
   // UCX pins host memory for CUDA copies only while a context is current (cuda_copy's
   // registration is a no-op otherwise), and it allocates its host staging fragments from
   // inside worker progress. Unpinned fragments halved host-staged bandwidth, so once a CUDA
@@ -124,7 +124,11 @@ bool ProgressLoop::turn(Clocks& clocks, cuda::CurrentContext& channelContext) {
     clocks.sweep = now;
     channels_.forEach([](Channel& channel) { channel.sweep(); });
   }
-  if (now - clocks.activity < spin_.get() || !worker_.arm()) {
+  // Polling serves callers waiting on this thread; ops whose wait() returns at once (eager
+  // sends, collective lanes' pieces) keep no thread awake for themselves.
+  if (rendezvous_.opsAwaitingProgress() > 0) clocks.awaited = now;
+  const bool polling = now - clocks.activity < spin_.get() && now - clocks.awaited < spin_.get();
+  if (polling || !worker_.arm()) {
     return true;
   }
   {

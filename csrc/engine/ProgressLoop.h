@@ -49,6 +49,7 @@ class ProgressLoop {
   // When the loop last did something, and last ran its timed scans.
   struct Clocks {
     Clock::time_point activity;
+    Clock::time_point awaited;  // last seen with an op a caller's wait() may wait for
     Clock::time_point scan;
     Clock::time_point sweep;
   };

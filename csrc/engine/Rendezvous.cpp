@@ -229,6 +229,9 @@ void Rendezvous::startOp(const std::shared_ptr<Op>& op) {
     return;
   }
   live_.emplace(op->id, op);
+  // A caller may wait on this thread for it (a rendezvous's wait()): the loop keeps polling.
+  op->awaitsProgress = !channels_.of(*op).outlivesWait(*op);
+  if (op->awaitsProgress) ++awaitingProgress_;
   transition(op, OpState::kWaiting);
   if (op->isSend()) {
     Peer& peer = *group->peers[op->request.peer];
@@ -539,6 +542,7 @@ bool Rendezvous::transition(const std::shared_ptr<Op>& op, OpState next, const S
     op->request.keepalive.reset();
     channels_.of(*op).release(*op);
     live_.erase(op->id);
+    if (op->awaitsProgress) --awaitingProgress_;
   }
   return true;
 }

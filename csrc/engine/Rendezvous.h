@@ -59,6 +59,9 @@ class Rendezvous {
   void shutDown();
 
   // Ops of the group (or of all) not yet ended whose caller's wait() may have returned.
+  // Live ops whose caller's wait() may wait for this thread: not eager sends nor collective
+  // lanes' pieces, whose wait() returns at once. The loop polls only while there are some.
+  size_t opsAwaitingProgress() const { return awaitingProgress_; }
   size_t releasedOpsInFlight(std::optional<uint64_t> groupId);
   std::string dumpPending(uint64_t groupId);
   size_t liveOps() const { return live_.size(); }
@@ -105,6 +108,7 @@ class Rendezvous {
   const ProgressThread& thread_;
   std::unordered_map<uint64_t, GroupState> groups_;
   std::unordered_map<uint64_t, std::shared_ptr<Op>> live_;
+  size_t awaitingProgress_ = 0;  // of live_
   std::unordered_map<uint64_t, std::vector<ReadyToSend>> orphans_;  // for groups not joined yet
   // Ops that make CUDA calls on this thread, held while a channel is committed, and the ops
   // started after them (ops start in posting order: they match in it).
