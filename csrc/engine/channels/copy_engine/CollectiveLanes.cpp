@@ -5,7 +5,7 @@
 #include "engine/Error.h"
 #include "engine/GroupState.h"
 #include "engine/Log.h"
-#include "engine/channels/copy_engine/CopyEngineOp.h"
+#include "engine/channels/copy_engine/DoneWord.h"
 #include "engine/cuda/Copies.h"
 #include "engine/cuda/CudaDriver.h"
 #include "engine/cuda/StreamMemoryOps.h"

@@ -6,6 +6,7 @@
 
 #include "engine/Op.h"
 #include "engine/channels/copy_engine/CollectiveLanes.h"
+#include "engine/channels/copy_engine/DoneWord.h"
 #include "engine/channels/copy_engine/EagerLanes.h"
 #include "engine/cuda/Event.h"
 #include "engine/cuda/FlagSegment.h"
@@ -51,10 +52,5 @@ struct CopyEngineOp final : OpChannelState {
 inline CopyEngineOp& copyEngineOp(const Op& op) {
   return static_cast<CopyEngineOp&>(*op.channelState);
 }
-
-// Values of a recv's `done` word above the flag's own.
-constexpr uint32_t kCopied = 1;
-constexpr uint32_t kSenderGaveUp = 2;
-constexpr uint32_t kDoneSpan = 3;
 
 }  // namespace smfree::engine
