@@ -45,7 +45,8 @@ std::unique_ptr<CollectivePiece> CollectiveLanes::post(const Op& op, const PostO
   if (!line) {
     logOnce("collective-lines",
             "every collective lane into a process is taken: collective pieces of "
-            "further (group, rank) pairs go by rendezvous, their wait() waiting for the peer");
+            "further (group, sending process) pairs go by rendezvous, their wait() waiting "
+            "for the peer");
     rendezvous_.fetch_add(1, std::memory_order_relaxed);
     return nullptr;
   }
@@ -94,11 +95,16 @@ bool CollectiveLanes::writeHalf(CollectiveHalf& half, const Op& op, const PieceW
     exporter_.exportBuffer(buffer.data, buffer.bytes, buffer.device, peerKey).appendTo(exported);
   }
   const std::string& dtype = op.request.desc.dtype;
-  if (exported.size() > kCollectiveExportBytes || dtype.size() >= kCollectiveDtypeBytes) {
+  if (exported.size() > kCollectiveExportBytes) {
     logOnce("collective-export", concat("a collective piece's buffer spans more memory chunks than "
                                         "a collective lane's record holds (",
                                         exported.size(), " B of ", kCollectiveExportBytes,
                                         "): such pieces go by rendezvous"));
+    return false;
+  }
+  if (dtype.size() >= kCollectiveDtypeBytes) {
+    logOnce("collective-dtype", concat("dtype ", dtype, " has a longer name than a collective "
+                                       "lane's record holds: its pieces go by rendezvous"));
     return false;
   }
   half.bytes = buffer.bytes;
