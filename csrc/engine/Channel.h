@@ -15,6 +15,7 @@
 namespace smfree::engine {
 
 struct Peer;
+struct PeerAddress;
 
 // How the caller's thread prepares CUDA ops with one peer: decided by the channel on the
 // progress thread when the peer connects (route()), kept by the group per rank.
@@ -30,8 +31,8 @@ struct PostOptions {
   // Recvs: Op::seq is the recv's place in its (source, tag) line, which the n-th send of that
   // line meets; false where that cannot be known at the post.
   bool placeKnown = false;
-  std::string peerFlagSegment;  // same-host peers: where its flag segment is mapped
-  int peerPid = 0;
+  // The peer's address, held by its group once connected; null for any-source recvs.
+  const PeerAddress* peer = nullptr;
 };
 
 // A data channel moves the bytes of a matched send/recv pair; the control plane has already

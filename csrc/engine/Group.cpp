@@ -41,9 +41,7 @@ Group::Group(std::shared_ptr<Engine> engine, std::shared_ptr<const GroupConfig> 
       id_(groupIdOf(config_->name)),
       timeoutMs_(timeout.count()),
       connected_(std::make_unique<std::atomic<bool>[]>(config_->size)),
-      processKeys_(config_->size),
-      flagSegments_(config_->size),
-      pids_(config_->size),
+      addresses_(config_->size),
       sameHost_(std::make_unique<std::atomic<bool>[]>(config_->size)),
       stagesCuda_(std::make_unique<std::atomic<bool>[]>(config_->size)) {
   for (int rank = 0; rank < config_->size; ++rank) {
@@ -80,9 +78,7 @@ void Group::connect(int rank) {
   stagesCuda_[rank] = route.stagedThroughHost;
   {
     std::lock_guard<std::mutex> lock(keysMutex_);
-    processKeys_[rank] = address.processKey;
-    flagSegments_[rank] = address.flagSegment;
-    pids_[rank] = address.pid;
+    if (addresses_[rank].processKey.empty()) addresses_[rank] = address;
   }
   sameHost_[rank] = address.hostKey == engine_->localAddress().hostKey;
   connected_[rank].store(true, std::memory_order_release);
@@ -136,9 +132,8 @@ std::optional<CudaFence> Group::post(OpRequest request) {
     if (peer != kAnySource) {
       options.route.stagedThroughHost = stagesCuda_[peer];
       std::lock_guard<std::mutex> lock(keysMutex_);
-      options.peerKey = processKeys_[peer];
-      options.peerFlagSegment = flagSegments_[peer];
-      options.peerPid = pids_[peer];
+      options.peerKey = addresses_[peer].processKey;
+      options.peer = &addresses_[peer];
     }
     try {
       // A user's CUDA graph capture, in progress on this thread or another, neither refuses
@@ -289,7 +284,7 @@ std::optional<std::string> Group::peerFailure(int rank) {
   std::string key;
   {
     std::lock_guard<std::mutex> lock(keysMutex_);
-    key = processKeys_[rank];
+    key = addresses_[rank].processKey;
   }
   return key.empty() ? std::nullopt : engine_->failures().ofPeer(key);
 }

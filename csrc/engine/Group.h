@@ -12,6 +12,7 @@
 
 #include "engine/CudaFence.h"
 #include "engine/Engine.h"
+#include "engine/Peer.h"
 
 namespace smfree::engine {
 
@@ -96,9 +97,8 @@ class Group {
   std::atomic<int64_t> timeoutMs_;
   std::unique_ptr<std::atomic<bool>[]> connected_;
   std::mutex keysMutex_;
-  std::vector<std::string> processKeys_;  // by rank, once connected
-  std::vector<std::string> flagSegments_;  // the same
-  std::vector<int> pids_;                  // the same
+  // By rank, once connected; written once, so a post may point at one (PostOptions::peer).
+  std::vector<PeerAddress> addresses_;
   std::unique_ptr<std::atomic<bool>[]> sameHost_;  // by rank, written before connected_
   std::unique_ptr<std::atomic<bool>[]> stagesCuda_;  // by rank, written before connected_
   std::atomic<bool> closed_{false};

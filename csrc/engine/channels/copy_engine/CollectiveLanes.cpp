@@ -5,6 +5,7 @@
 #include "engine/Error.h"
 #include "engine/GroupState.h"
 #include "engine/Log.h"
+#include "engine/Peer.h"
 #include "engine/channels/copy_engine/DoneWord.h"
 #include "engine/cuda/Copies.h"
 #include "engine/cuda/CudaDriver.h"
@@ -24,8 +25,8 @@ CollectiveLanes::Peer& CollectiveLanes::peerFor(const PostOptions& options) {
   std::lock_guard<std::mutex> lock(mutex_);
   Peer& peer = peers_[options.peerKey];
   if (!peer.words) {
-    peer.words = &peerWords_(options.peerKey, options.peerFlagSegment);
-    peer.watch = std::make_unique<ProcessWatch>(options.peerPid);
+    peer.words = &peerWords_(options.peerKey, options.peer->flagSegment);
+    peer.watch = std::make_unique<ProcessWatch>(options.peer->pid);
   }
   return peer;
 }
