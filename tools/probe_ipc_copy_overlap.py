@@ -4,7 +4,7 @@
 # process 0's buffers (GPU 0, the caching allocator's cudaMalloc memory, shared by
 # torch.multiprocessing) and times, alone and two at once, copies between them, its own buffer on
 # GPU 1 and one of its own on GPU 0, on streams of GPU 1 and of GPU 0 (a context it holds there),
-# with peer access enabled both ways. Raw runtime copies (cuda-python), no smfree. Needs 2 GPUs:
+# with peer access enabled both ways. Raw driver copies, no smfree. Needs 2 GPUs:
 #   python3 tools/probe_ipc_copy_overlap.py [MiB per copy, default 256]
 import statistics
 import sys
@@ -12,16 +12,11 @@ import time
 
 import torch
 import torch.multiprocessing as mp
-from cuda.bindings import runtime as rt
+
+from smfree_pg.bench.cuda_driver import copy_async
 
 S = (int(sys.argv[1]) if len(sys.argv) > 1 else 256) << 20
 REPS, WARMUP = 8, 2
-
-
-def copy(dst, src, stream):
-    err, = rt.cudaMemcpyAsync(dst.data_ptr(), src.data_ptr(), S,
-                              rt.cudaMemcpyKind.cudaMemcpyDefault, stream.cuda_stream)
-    assert int(err) == 0, err
 
 
 def owner(queue, done):
@@ -41,11 +36,8 @@ def lane(queue, done, results):
     ipc0 = queue.get()  # process 0's buffers, opened through CUDA IPC here
     other_ipc0 = queue.get()
     own0 = torch.full((2 * S,), 3, dtype=torch.uint8, device="cuda:0")  # this process's, GPU 0
-    for device, peer in ((0, 1), (1, 0)):
-        rt.cudaSetDevice(device)
-        err, = rt.cudaDeviceEnablePeerAccess(peer, 0)
-        assert int(err) in (0, int(rt.cudaError_t.cudaErrorPeerAccessAlreadyEnabled)), err
-    rt.cudaSetDevice(1)
+    for a, b in ((0, 1), (1, 0)):
+        torch.ones(1, device=f"cuda:{b}").copy_(torch.ones(1, device=f"cuda:{a}"))  # peer access
     pull1, push1 = torch.cuda.Stream(device=1), torch.cuda.Stream(device=1)
     on_gpu0 = torch.cuda.Stream(device=0)
     pull_ipc = (out1[:S], ipc0[:S])  # piece A, 0 -> 1, out of IPC memory
@@ -71,7 +63,7 @@ def lane(queue, done, results):
             torch.cuda.synchronize(1)
             start = time.perf_counter()
             for dst, src, stream in copies:
-                copy(dst, src, stream)
+                copy_async(dst.data_ptr(), src.data_ptr(), S, stream)
             for _, _, stream in copies:
                 stream.synchronize()
             if rep >= WARMUP:
