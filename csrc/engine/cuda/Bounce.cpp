@@ -25,7 +25,8 @@ int findBounceDevice(int device) {
   }
   log(LogLevel::kWarn, "copies within cuda:", device, " pass through pinned host memory (two "
       "PCIe copies on copy engines): no other GPU is reachable from it, and the driver runs a "
-      "copy within one GPU on SMs");
+      "copy within one GPU on SMs. Ranks sharing this GPU: SMFREE_EAGER_BYTES=0 halves the "
+      "copies of each message; SMFREE_LOCAL_COPIES=driver under CUDA MPS is faster but takes SMs");
   return -1;
 }
 
