@@ -26,7 +26,8 @@ $(STAMPS)/installed: $(STAMPS)/deps $(NATIVE)
 	$(PYTHON) -m pip install --no-build-isolation -e .
 	touch $@
 
-# One rank per GPU where there are 2 or more, else 2 ranks on CPU (the demo says why).
+# One rank per GPU where there are 2 or more; with one GPU, 2 ranks share it (smfree beside the
+# copy floors: NCCL refuses two ranks on one GPU); with none, 2 ranks on CPU.
 demo: install
 	nproc=$$($(PYTHON) -c "import torch; print(max(2, torch.cuda.device_count()))"); \
 	$(PYTHON) -m torch.distributed.run --nproc-per-node=$$nproc examples/p2p_demo.py

@@ -9,6 +9,11 @@ smfree's GB/s as a fraction of the reference's, with the range (min-max) of each
 those of the slowest pair. On shared or small CPU machines the figures vary from run to run;
 the range shows by how much.
 
+With one GPU, both ranks of the pair share it and exchange CUDA tensors there. NCCL refuses two
+ranks on one GPU, so no reference exists: smfree's figures stand beside the bare copy floors
+measured on that GPU in the same run, by rank 0 alone (one device-to-pinned-host copy then one
+pinned-host-to-device copy; the two overlapped on two streams; one copy within the GPU).
+
 Run it with torchrun, e.g.
 
     torchrun --nproc-per-node=2 examples/p2p_demo.py
@@ -25,6 +30,8 @@ import time
 
 import torch
 import torch.distributed as dist
+
+from smfree_pg.bench.floors import FLOOR_TITLES, FLOORS, measure_floors
 
 DEFAULT_SIZES = "4K,64K,1M,16M,64M"
 UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -149,7 +156,10 @@ def measure(group, size: int, iters: int, warmup: int, device: torch.device) -> 
 
 def slowest(seconds: float, failed: bool, device: torch.device) -> tuple[float, bool]:
     """The max over all ranks of the time, and whether any rank saw wrong data."""
-    figures = torch.tensor([seconds, float(failed)], dtype=torch.float64, device=device)
+    # Over the default group: NCCL takes the rank's GPU, Gloo (CPU, or ranks sharing a GPU) the
+    # CPU.
+    tally = device if dist.get_backend() == "nccl" else torch.device("cpu")
+    figures = torch.tensor([seconds, float(failed)], dtype=torch.float64, device=tally)
     dist.all_reduce(figures, op=dist.ReduceOp.MAX)
     return figures[0].item(), bool(figures[1].item())
 
@@ -160,12 +170,12 @@ def median(values: list[float]) -> float:
     return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
-def run_benchmark(groups: dict, args, device: torch.device) -> list[dict]:
+def run_benchmark(groups: dict, args, device: torch.device, ref: str | None) -> list[dict]:
     """One row per size: per backend, the median microseconds and GB/s over the repetitions and
     the range of the microseconds; smfree's GB/s over the reference's, per repetition, as median
-    and range. Exits 1 on wrong data."""
+    and range; without a reference (ranks sharing a GPU), the copy floors instead (floors_row).
+    Exits 1 on wrong data."""
     rows = []
-    ref = next(iter(groups))
     for size in args.sizes:
         iters = args.iters or default_iters(size)
         seconds = {name: [] for name in groups}
@@ -183,13 +193,41 @@ def run_benchmark(groups: dict, args, device: torch.device) -> list[dict]:
                 seconds[name].append(elapsed)
         row = {"bytes": size, "iters": iters, "repeats": args.repeats}
         for name, times in seconds.items():
-            middle = median(times)
-            row[name] = {"us": middle * 1e6, "GBps": size / middle / 1e9,
-                         "us_min": min(times) * 1e6, "us_max": max(times) * 1e6}
-        ratios = [r / s for r, s in zip(seconds[ref], seconds["smfree"])]
-        row["ratio"] = {"median": median(ratios), "min": min(ratios), "max": max(ratios)}
+            row[name] = figures(size, times)
+        if ref is None:
+            row.update(floors_row(row["smfree"], floor_seconds(device, size, iters, args.repeats)))
+        else:
+            ratios = [r / s for r, s in zip(seconds[ref], seconds["smfree"])]
+            row["ratio"] = {"median": median(ratios), "min": min(ratios), "max": max(ratios)}
         rows.append(row)
     return rows
+
+
+def figures(size: int, times: list[float]) -> dict:
+    """Median µs and GB/s over the repetitions' seconds per exchange, and the range of the µs."""
+    middle = median(times)
+    return {"us": middle * 1e6, "GBps": size / middle / 1e9,
+            "us_min": min(times) * 1e6, "us_max": max(times) * 1e6}
+
+
+def floor_seconds(device: torch.device, size: int, iters: int, repeats: int) -> dict:
+    """Per copy floor, rank 0's seconds per pass in each repetition, timed while the other
+    ranks wait: the floors see the GPU alone."""
+    dist.barrier()
+    samples = measure_floors(device, size, iters, repeats) if dist.get_rank() == 0 else None
+    dist.barrier()
+    return samples
+
+
+def floors_row(smfree: dict, samples: dict | None) -> dict:
+    """The copy floors' figures (rank 0's; None elsewhere), and smfree's median time over each
+    floor's."""
+    if samples is None:
+        return {"floors": None, "over_floor": None}
+    floors = {name: {"us": median(times) * 1e6, "us_min": min(times) * 1e6,
+                     "us_max": max(times) * 1e6} for name, times in samples.items()}
+    return {"floors": floors,
+            "over_floor": {name: smfree["us"] / floor["us"] for name, floor in floors.items()}}
 
 
 def fail(message: str) -> None:
@@ -199,24 +237,35 @@ def fail(message: str) -> None:
     sys.exit(1)
 
 
-def print_table(rows: list[dict], ref: str, header: str) -> None:
-    columns = ["size", "smfree µs (range)", "smfree GB/s", f"{ref} µs (range)", f"{ref} GB/s",
-               "ratio (range)"]
+def spread(figures: dict) -> str:
+    return f"{figures['us']:.1f} ({figures['us_min']:.1f}-{figures['us_max']:.1f})"
 
-    def spread(figures: dict) -> str:
-        return f"{figures['us']:.1f} ({figures['us_min']:.1f}-{figures['us_max']:.1f})"
 
-    lines = [
-        [
-            format_size(row["bytes"]),
-            spread(row["smfree"]),
-            f"{row['smfree']['GBps']:.3f}",
-            spread(row[ref]),
-            f"{row[ref]['GBps']:.3f}",
-            f"{row['ratio']['median']:.2f} ({row['ratio']['min']:.2f}-{row['ratio']['max']:.2f})",
+def print_table(rows: list[dict], ref: str | None, header: str) -> None:
+    if ref is None:
+        columns = ["size", "smfree µs (range)", "smfree GB/s"]
+        for name in FLOORS:
+            columns += [f"{FLOOR_TITLES[name]} µs (range)", "x"]
+        lines = [[format_size(row["bytes"]), spread(row["smfree"]),
+                  f"{row['smfree']['GBps']:.3f}"] +
+                 [cell for name in FLOORS
+                  for cell in (spread(row["floors"][name]), f"{row['over_floor'][name]:.2f}")]
+                 for row in rows]
+    else:
+        columns = ["size", "smfree µs (range)", "smfree GB/s", f"{ref} µs (range)",
+                   f"{ref} GB/s", "ratio (range)"]
+        lines = [
+            [
+                format_size(row["bytes"]),
+                spread(row["smfree"]),
+                f"{row['smfree']['GBps']:.3f}",
+                spread(row[ref]),
+                f"{row[ref]['GBps']:.3f}",
+                f"{row['ratio']['median']:.2f} "
+                f"({row['ratio']['min']:.2f}-{row['ratio']['max']:.2f})",
+            ]
+            for row in rows
         ]
-        for row in rows
-    ]
     widths = [
         max(len(column), *(len(line[i]) for line in lines)) for i, column in enumerate(columns)
     ]
@@ -226,14 +275,22 @@ def print_table(rows: list[dict], ref: str, header: str) -> None:
     for line in lines:
         print(" | ".join(cell.rjust(width) for cell, width in zip(line, widths)))
     repeats = rows[0]["repeats"] if rows else 0
-    print(f"medians of {repeats} repetitions, (min-max) over them; ratio = smfree GB/s / "
-          f"{ref} GB/s; GB/s = bytes one way / time per exchange")
+    if ref is None:
+        print(f"medians of {repeats} repetitions, (min-max) over them; x = smfree µs / floor µs; "
+              "GB/s = bytes one way / time per exchange")
+        print("No NCCL reference: NCCL refuses two ranks on one GPU. The floors, timed on this "
+              "GPU in this run by rank 0 alone: " +
+              "; ".join(f"{FLOOR_TITLES[name]} = {what}" for name, what in FLOORS.items()))
+    else:
+        print(f"medians of {repeats} repetitions, (min-max) over them; ratio = smfree GB/s / "
+              f"{ref} GB/s; GB/s = bytes one way / time per exchange")
     print("On shared or small CPU machines these figures vary from run to run (the ranges show "
           "by how much); compare them within one run, not across runs.")
 
 
-def describe(device: torch.device, world: int) -> str:
-    name = (f"{torch.cuda.get_device_name(device)} (copy-engine path)"
+def describe(device: torch.device, world: int, shared: bool) -> str:
+    name = (f"{torch.cuda.get_device_name(device)} (copy-engine path"
+            f"{', every rank on this one GPU' if shared else ''})"
             if device.type == "cuda" else "CPU")
     pairs = world // 2
     idle = f", rank {world - 1} idle" if world % 2 else ""
@@ -245,23 +302,27 @@ def describe(device: torch.device, world: int) -> str:
 
 
 def choose_device(gpus: int, local_rank: int, local_ranks: int) -> tuple[torch.device, str]:
-    """This rank's device, and a note saying why when GPUs are present but not used.
+    """This rank's device, and a note saying why when ranks share a GPU.
 
-    The GPU run gives each rank of a host a GPU of its own: NCCL, the reference, refuses two
-    ranks on one GPU. One GPU cannot do that for a pair, so the demo runs on CPU there.
+    The GPU run gives each rank of a host a GPU of its own, so that NCCL, the reference, can
+    run. With one GPU every rank shares it, smfree alone (NCCL refuses two ranks on one GPU).
     """
     if gpus >= local_ranks:
         return torch.device("cuda", local_rank), ""
-    if gpus <= 1:
-        note = (f"{gpus} GPU for {local_ranks} ranks on this host; the GPU run needs a GPU per "
-                f"rank, so this run uses CPU tensors" if gpus else "")
-        return torch.device("cpu"), note
+    if gpus == 1:
+        return torch.device("cuda", 0), (
+            f"1 GPU for {local_ranks} ranks on this host: they share it. NCCL refuses two ranks "
+            "on one GPU, so there is no NCCL reference here: smfree is shown beside the bare "
+            "copy floors measured on this GPU in this run")
+    if gpus == 0:
+        return torch.device("cpu"), ""
     raise SystemExit(f"p2p_demo: {local_ranks} ranks on this host but {gpus} GPUs; "
                      f"run it with --nproc-per-node={gpus}")
 
 
-def setup() -> tuple[str, torch.device]:
-    """Starts the reference default group and returns (its backend name, the device)."""
+def setup() -> tuple[str | None, torch.device]:
+    """Starts the default group and returns (the reference backend, None where ranks share a
+    GPU, and the device)."""
     if "LOCAL_RANK" not in os.environ:
         raise SystemExit("p2p_demo: start it with torchrun, e.g. "
                          "torchrun --nproc-per-node=2 examples/p2p_demo.py")
@@ -273,8 +334,11 @@ def setup() -> tuple[str, torch.device]:
         print(f"p2p_demo: {note}", flush=True)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    ref = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend=ref)
+    shared = device.type == "cuda" and torch.cuda.device_count() < int(
+        os.environ["LOCAL_WORLD_SIZE"])
+    # Where ranks share a GPU, Gloo (on the CPU) runs the demo's barriers and tallies.
+    ref = None if shared else ("nccl" if device.type == "cuda" else "gloo")
+    dist.init_process_group(backend=ref or "gloo")
     return ref, device
 
 
@@ -288,15 +352,19 @@ def main() -> None:
 
     import smfree_pg  # noqa: F401  (registers backend "smfree")
 
-    groups = {ref: dist.group.WORLD, "smfree": dist.new_group(list(range(world)), backend="smfree")}
-    rows = run_benchmark(groups, args, device)
+    smfree = dist.new_group(list(range(world)), backend="smfree")
+    groups = {"smfree": smfree} if ref is None else {ref: dist.group.WORLD, "smfree": smfree}
+    rows = run_benchmark(groups, args, device, ref)
 
     if dist.get_rank() == 0:
-        header = describe(device, world)
+        header = describe(device, world, ref is None)
         print_table(rows, ref, header)
         if args.json:
+            report = {"header": header, "reference": ref, "rows": rows}
+            if ref is None:
+                report["floors"] = FLOORS
             with open(args.json, "w") as out:
-                json.dump({"header": header, "reference": ref, "rows": rows}, out, indent=2)
+                json.dump(report, out, indent=2)
     dist.destroy_process_group()
 
 

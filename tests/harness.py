@@ -47,10 +47,11 @@ def _run_rank(fn, rank, world_size, init_file, backend, group_timeout_s, env, bi
     import torch.distributed as dist
 
     import smfree_pg  # noqa: F401  (registers the backend)
+    from devices import cuda_device
 
     try:
         if env.get("SMFREE_TEST_CUDA") == "1":
-            torch.cuda.set_device(rank)
+            torch.cuda.set_device(cuda_device(rank))
         dist.init_process_group(
             backend,
             init_method=f"file://{init_file}",
@@ -58,7 +59,7 @@ def _run_rank(fn, rank, world_size, init_file, backend, group_timeout_s, env, bi
             world_size=world_size,
             timeout=datetime.timedelta(seconds=group_timeout_s),
             # Binds the default group to the rank's GPU, which makes NCCL split new groups.
-            device_id=torch.device("cuda", rank) if bind_device else None,
+            device_id=cuda_device(rank) if bind_device else None,
         )
         value = fn(rank, world_size, *args)
         results.put(RankResult(rank, value=value))
@@ -87,7 +88,8 @@ def run_ranks(
     """Values returned by `fn` on each rank, in rank order.
 
     Ranks listed in `expect_exit` may end without a result (they kill themselves). With
-    `cuda`, rank r uses cuda:r. `env` is added to each rank's environment, then
+    `cuda`, rank r uses its GPU (devices.cuda_device: shared where there are fewer GPUs than
+    ranks). `env` is added to each rank's environment, then
     `rank_env[r]` to rank r's. `bind_device` passes rank r's GPU as the default group's
     device_id.
     """
@@ -200,11 +202,14 @@ def received_fills(peer: int, count: int, numel: int, device=None) -> list:
 
 
 def rank_device(rank: int):
-    """In a rank: cuda:rank where the test runs it on CUDA (run_ranks(cuda=True)), else the CPU."""
+    """In a rank: its GPU (devices.cuda_device) where the test runs it on CUDA
+    (run_ranks(cuda=True)), else the CPU."""
     import torch
 
+    from devices import cuda_device
+
     if os.environ.get("SMFREE_TEST_CUDA") == "1":
-        return torch.device("cuda", rank)
+        return cuda_device(rank)
     return torch.device("cpu")
 
 

@@ -1,8 +1,8 @@
 """What smfree finds on this machine: `python -m smfree_pg.doctor [--json]`.
 
 UCX's version and the transports it sees, each GPU's capabilities that the copy-engine path
-relies on (stream memory operations, remote-write flush, IPC handle types, peer access), and
-the settings that change smfree's behaviour. It first checks that the extension loads the
+relies on (stream memory operations, remote-write flush, IPC handle types, peer access), how
+copies run where ranks share a GPU, and the settings that change smfree's behaviour. It first checks that the extension loads the
 libstdc++ torch uses (linkage.py), since one that carries its own crashes.
 """
 
@@ -89,6 +89,11 @@ def render(report: dict) -> str:
             lines += [f"    {name}: {value}" for name, value in device["attributes"].items()]
             peers = [str(j) for j, ok in enumerate(device["peer_access"]) if ok]
             lines.append(f"    peer access to: {', '.join(peers) if peers else 'none'}")
+        has_peer = any(ok for device in cuda["devices"]
+                       for j, ok in enumerate(device["peer_access"]) if j != device["index"])
+        lines += shared_gpu(len(cuda["devices"]), has_peer,
+                            os.environ.get("LOCAL_WORLD_SIZE"),
+                            report["settings"].get("SMFREE_LOCAL_COPIES"))
     lines.append(_collectives(report["collectives_on_copy_engines"],
                               report.get("collective_min_bytes")))
     connections = report["settings"].get("CUDA_DEVICE_MAX_CONNECTIONS")
@@ -99,6 +104,42 @@ def render(report: dict) -> str:
     lines.append("settings: " + (", ".join(f"{k}={v}" for k, v in report["settings"].items())
                                  or "none"))
     return "\n".join(lines)
+
+
+def shared_gpu(gpus: int, has_peer: bool, local_ranks: str | None,
+               local_copies: str | None) -> list[str]:
+    """Where ranks would share a GPU (one GPU, or fewer than torchrun's LOCAL_WORLD_SIZE): how
+    their copies to each other run, under SMFREE_LOCAL_COPIES, and which setting is faster."""
+    ranks = int(local_ranks) if local_ranks and local_ranks.isdigit() else None
+    if gpus < 1 or (gpus > 1 and (ranks is None or ranks <= gpus)):
+        return []
+    why = (f"{ranks} ranks (LOCAL_WORLD_SIZE) on {gpus} GPUs" if ranks and ranks > gpus
+           else "one GPU")
+    lines = [f"ranks sharing a GPU ({why}): a copy between two of them stays within that GPU; "
+             "NCCL refuses two ranks on one GPU, so what smfree hands to NCCL (reductions, "
+             "collectives off the copy engines) fails there"]
+    way = local_copies or "peer_gpu"
+    if way == "peer_gpu" and has_peer:
+        lines.append("  SMFREE_LOCAL_COPIES=peer_gpu: bounced through a peer GPU's memory (two "
+                     "copy-engine hops over NVLink, no SM)")
+    elif way in ("peer_gpu", "host"):
+        through = ("no other GPU is reachable, so " if way == "peer_gpu" else "")
+        lines.append(f"  SMFREE_LOCAL_COPIES={way}: {through}bounced through pinned host memory "
+                     "(two copy-engine hops over PCIe, no SM)")
+    elif way == "driver":
+        lines.append("  SMFREE_LOCAL_COPIES=driver: one copy within the GPU, which the driver "
+                     "runs on SMs: it waits for compute kernels that hold them")
+    else:
+        lines.append(f"  SMFREE_LOCAL_COPIES={way} is not one of driver, peer_gpu, host")
+        return lines
+    if way == "driver":
+        lines.append("  the fastest for large messages; SMFREE_LOCAL_COPIES=peer_gpu (the "
+                     "default) keeps these copies off the SMs, at two hops each")
+    else:
+        lines.append("  faster: SMFREE_LOCAL_COPIES=driver (one copy at the GPU's own "
+                     "bandwidth, but on SMs); measure both with python -m smfree_pg.bench "
+                     "--only shared_gpu")
+    return lines
 
 
 def _collectives(names, min_bytes: int | None) -> str:

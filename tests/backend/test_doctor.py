@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from smfree_pg.doctor import RDMA
+from smfree_pg.doctor import RDMA, shared_gpu
 
 
 def doctor(*args, env=None):
@@ -74,3 +74,35 @@ def test_reports_which_collectives_run_on_the_copy_engines():
     result = doctor(env={"SMFREE_COLLECTIVES": "reduce"})
     assert "collectives: smfree: SMFREE_COLLECTIVES='reduce': 'reduce' is not one of" in \
         result.stdout
+
+
+def test_says_how_ranks_sharing_one_gpu_copy_and_what_is_faster():
+    lines = shared_gpu(1, False, None, None)
+    assert lines[0].startswith("ranks sharing a GPU (one GPU): a copy between two of them stays "
+                               "within that GPU; NCCL refuses two ranks on one GPU")
+    assert ("SMFREE_LOCAL_COPIES=peer_gpu: no other GPU is reachable, so bounced through pinned "
+            "host memory (two copy-engine hops over PCIe, no SM)") in lines[1]
+    assert "faster: SMFREE_LOCAL_COPIES=driver" in lines[2] and "on SMs" in lines[2]
+    assert "SMFREE_LOCAL_COPIES=host: bounced through pinned host memory" in \
+        shared_gpu(1, False, "2", "host")[1]
+    driver = shared_gpu(1, False, "2", "driver")
+    assert "one copy within the GPU, which the driver runs on SMs" in driver[1]
+    assert "SMFREE_LOCAL_COPIES=peer_gpu (the default) keeps these copies off the SMs" in driver[2]
+    assert "is not one of driver, peer_gpu, host" in shared_gpu(1, False, None, "sm")[1]
+
+
+def test_says_ranks_share_a_gpu_only_with_fewer_gpus_than_local_ranks():
+    assert shared_gpu(0, False, "2", None) == []  # no GPU: nothing shared
+    assert shared_gpu(2, True, "2", None) == []
+    assert shared_gpu(2, True, None, None) == []
+    more = shared_gpu(2, True, "4", None)
+    assert "(4 ranks (LOCAL_WORLD_SIZE) on 2 GPUs)" in more[0]
+    assert "bounced through a peer GPU's memory (two copy-engine hops over NVLink" in more[1]
+
+
+def test_text_report_says_how_ranks_share_a_gpu_where_they_would():
+    result = doctor(env={"LOCAL_WORLD_SIZE": "2"})
+    assert result.returncode == 0, result.stderr
+    said = "ranks sharing a GPU (" in result.stdout
+    gpus = torch.cuda.device_count()
+    assert said == (gpus == 1), result.stdout

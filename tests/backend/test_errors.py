@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from devices import cuda_device
 from harness import run_ranks, swap
 
 
@@ -101,15 +102,15 @@ def test_a_collectives_min_bytes_that_is_not_a_count_is_refused_at_init():
 
 
 def _wrong_device(rank, world):
-    dev = torch.device("cuda", rank)
-    other = torch.device("cuda", 1 - rank)
+    dev = cuda_device(rank)
+    other = cuda_device(1 - rank)
     swap(1 - rank, torch.ones(8, device=dev))
-    with pytest.raises(ValueError, match=rf"tensor on cuda:{1 - rank}, but this rank uses "
-                                         rf"cuda:{rank}"):
+    with pytest.raises(ValueError, match=rf"tensor on {other}, but this rank uses {dev}"):
         dist.isend(torch.ones(8, device=other), 1 - rank)
     return True
 
 
 @pytest.mark.gpu
+@pytest.mark.distinct_gpus("puts a tensor on a GPU other than the rank's")
 def test_tensor_on_another_device_than_the_groups():
     assert run_ranks(_wrong_device, 2, cuda=True) == [True, True]

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from devices import cuda_device
 from harness import run_ranks
 
 
@@ -66,7 +67,7 @@ def _subgroups_under_a_bound_nccl_default(rank, world):
     # A smfree group and then an NCCL group over ranks 0 and 1, as a pipeline bench makes them:
     # with the default group bound to a GPU, torch makes rank 2 split the default communicator
     # at each, so the members' NCCL communicators must be split from it at the same points.
-    dev = torch.device("cuda", rank)
+    dev = cuda_device(rank)
     pp = dist.new_group([0, 1], backend="smfree")
     reference = dist.new_group([0, 1], backend="nccl")
     everyone = torch.ones(1, device=dev)
@@ -86,9 +87,8 @@ def _subgroups_under_a_bound_nccl_default(rank, world):
 
 
 @pytest.mark.gpu
+@pytest.mark.distinct_gpus("NCCL, the default group, refuses two ranks on one GPU", gpus=3)
 def test_subgroups_under_an_nccl_default_group_bound_to_a_gpu():
-    if torch.cuda.device_count() < 3:
-        pytest.skip("needs 3 GPUs: one rank outside the subgroups")
     results = run_ranks(_subgroups_under_a_bound_nccl_default, 3, backend="nccl", cuda=True,
                         bind_device=True, timeout=120)
     assert results == [(3.0, 1.0, 2.0, 2.0), (3.0, 0.0, 2.0, 2.0), (3.0, None, None, None)]

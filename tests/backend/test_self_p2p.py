@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from devices import cuda_device
 from harness import run_ranks
 
 # torch 2.11 binds Work.exception() to a C++ type that it cannot return to Python, whatever the
@@ -231,7 +232,7 @@ def test_recv_from_any_source_does_not_take_a_self_send():
 # ----------------------------------------------------------------------------- CUDA
 
 def _cuda_posting_orders(rank, world):
-    return _posting_orders(rank, world, torch.device("cuda", rank))
+    return _posting_orders(rank, world, cuda_device(rank))
 
 
 @pytest.mark.gpu
@@ -240,7 +241,7 @@ def test_cuda_isend_and_irecv_to_self_in_both_posting_orders():
 
 
 def _cuda_batch(rank, world):
-    return _batch_with_self_and_peer(rank, world, torch.device("cuda", rank))
+    return _batch_with_self_and_peer(rank, world, cuda_device(rank))
 
 
 @pytest.mark.gpu
@@ -255,7 +256,7 @@ def _long_kernel(device):
 
 
 def _stream_order(rank, world, send_first):
-    device = torch.device("cuda", rank)
+    device = cuda_device(rank)
     a, b = _long_kernel(device)
     produced = torch.empty(8192, 8192, device=device)
     got = torch.empty(8192 * 8192, device=device)
@@ -299,7 +300,7 @@ CHUNKINGS = [4, 2 << 20, (2 << 20) + 4, (17 << 20) + 12, (129 << 20) + 4]
 
 
 def _self_copies_of_every_chunking(rank, world):
-    device = torch.device("cuda", rank)
+    device = cuda_device(rank)
     wrong = []
     for size in CHUNKINGS:
         mine = torch.arange(size // 4, dtype=torch.int32, device=device) * (rank + 3) + size
@@ -319,7 +320,7 @@ def test_cuda_self_copies_of_every_chunking():
 
 
 def _self_ops_launch_no_kernels(rank, world):
-    device = torch.device("cuda", rank)
+    device = cuda_device(rank)
     mine = torch.ones(1 << 22, device=device)
     got = torch.empty(1 << 22, device=device)
 

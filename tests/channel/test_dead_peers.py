@@ -45,7 +45,6 @@ def _peer_dies(rank, world):
 
 
 def test_killed_peer_fails_pending_ops_within_timeout(channel):
-    channel.skip_unless_ranks(3)
     results = channel.run(_peer_dies, 3, group_timeout_s=20, expect_exit=(2,))
     error, elapsed = results[0]
     assert error is not None and "recv on rank 0 from rank 2" in error

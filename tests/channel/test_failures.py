@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 import smfree_pg
+from devices import cuda_device
 from harness import rank_device, run_ranks, synchronize
 
 # Sends that wait for their receiver on every channel (no eager sends on the copy engines).
@@ -122,7 +123,7 @@ def test_late_partner_of_a_timed_out_send_gets_an_error_and_order_holds(channel)
 
 
 def _send_once(rank, world, from_cuda):
-    dev = torch.device("cuda", rank)
+    dev = cuda_device(rank)
     try:
         if rank == 0:
             dist.send(torch.ones(1024, device=dev if from_cuda else "cpu"), 1)

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 import channels
+from devices import cuda_device
 from payloads import exchange
 
 pytestmark = pytest.mark.gpu
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.gpu
 def _churn(rank, world, transfers, cache_size):
     # Random allocations and frees between transfers, so receive buffers move around and
     # the caching allocator returns segments to the driver; every payload is checksummed.
-    dev = torch.device("cuda", rank)
+    dev = cuda_device(rank)
     peer = 1 - rank
     rng = random.Random(1234)  # same sequence on both ranks
     keep = []
@@ -60,7 +61,7 @@ def test_allocator_churn_keeps_data_right_and_mappings_bounded(cuda_channel, cac
 
 
 def _spanning_chunks(rank, world):
-    dev = torch.device("cuda", rank)
+    dev = cuda_device(rank)
     peer = 1 - rank
     pad = torch.empty(3 << 20, dtype=torch.uint8, device=dev)  # puts the tensor mid-chunk
     numel = (60 << 20) // 4  # 60 MiB: spans at least three 20 MiB chunks
@@ -81,7 +82,7 @@ def test_expandable_segments_tensor_spanning_several_chunks(cuda_channel):
 
 
 def _memory_freed_by_its_owner(rank, world):
-    dev = torch.device("cuda", rank)
+    dev = cuda_device(rank)
     backend = dist.group.WORLD._get_backend(dev)
     # Warm. The buffer stays alive: freeing it would unmap its segment at the empty_cache
     # below and retract the mapping of it at an unknown moment of the counts.

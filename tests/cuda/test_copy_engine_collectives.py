@@ -1,6 +1,7 @@
 """Collectives on the copy engines: all-gather (into a tensor, in place as FSDP2 calls it, into a
 list, coalesced), all-to-all (equal and uneven splits, lists), broadcast, gather and scatter of
-CUDA tensors between ranks of one host give NCCL's bytes, run on the copy engines (the group
+CUDA tensors between ranks of one host give NCCL's bytes (where ranks share a GPU, which NCCL
+refuses, the bytes computed from the inputs), run on the copy engines (the group
 counts them), follow stream order with async_op, let a rank's wait() return before the other
 ranks post (collective lanes: the later rank's post queues the copy), replay inside CUDA graphs
 with no kernel node, launch no kernel; bad calls are refused naming the op and post nothing; a
@@ -18,6 +19,7 @@ import torch.distributed as dist
 import channels
 from cuda_graphs import new_graph, node_types
 from cuda_profile import kernels_launched
+from devices import cuda_device, gpu_count, ranks_share_a_gpu
 from payloads import pattern
 
 pytestmark = pytest.mark.gpu
@@ -27,10 +29,13 @@ COPY_ENGINE = channels.COPY_ENGINE
 ALL_ON = {"SMFREE_COLLECTIVES": "all", "SMFREE_COLLECTIVE_MIN_BYTES": "0"}
 DTYPES = [torch.bfloat16, torch.int64]
 NUMELS = [1, 1000, 1 << 20]
+NCCL_REFUSES_SHARING = "runs collectives on NCCL, which refuses two ranks on one GPU"
 
 
 def _world():
-    return max(2, min(torch.cuda.device_count(), 4))
+    """One rank per GPU, up to 4; on one GPU, 3 ranks sharing it."""
+    gpus = gpu_count()
+    return min(gpus, 4) if gpus >= 2 else 3
 
 
 def _uneven(src, dst):
@@ -101,7 +106,7 @@ def _rooted(out, rank, world, dev, group):
 
 
 def _every_collective(rank, world, group):
-    dev = torch.device("cuda", rank)
+    dev = cuda_device(rank)
     out = {}
     _all_gathers(out, rank, world, dev, group)
     _all_to_alls(out, rank, world, dev, group)
@@ -110,12 +115,50 @@ def _every_collective(rank, world, group):
     return {name: t.cpu() for name, t in out.items()}
 
 
-def _against_nccl(rank, world):
-    nccl = dist.new_group(backend="nccl")
+def _expected(rank, world, dev):
+    """What `_every_collective` gives rank `rank`, computed from the inputs (made on `dev`, the
+    rank's GPU, as the ranks make them)."""
+    out = {}
+    for dtype in DTYPES:
+        for numel in NUMELS:
+            pieces = [pattern(numel, dtype, r, dev) for r in range(world)]
+            out[f"all_gather_into_tensor {dtype} {numel}"] = torch.cat(pieces)
+            out[f"all_gather_into_tensor in place {dtype} {numel}"] = torch.cat(pieces)
+            out[f"all_gather {dtype} {numel}"] = torch.stack(pieces)
+    for device in (dev, None):
+        out[f"coalesced all_gather_into_tensor, device {device}"] = torch.cat(
+            [pattern(n, torch.float32, r + 7, dev) for n in (10, 3000) for r in range(world)])
+    for numel in NUMELS:
+        out[f"all_to_all_single {numel}"] = torch.cat(
+            [pattern(numel * world, torch.float32, p, dev)[rank * numel:(rank + 1) * numel]
+             for p in range(world)])
+    width = 5
+    rows = []
+    for p in range(world):
+        sent = pattern(sum(_uneven(p, q) for q in range(world)) * width, torch.float32, p, dev)
+        first = sum(_uneven(p, q) for q in range(rank))
+        rows.append(sent.view(-1, width)[first:first + _uneven(p, rank)])
+    out["all_to_all_single uneven"] = torch.cat(rows)
+    out["all_to_all"] = torch.cat([pattern((p + rank + 1) * 3, torch.int64, 10 * p + rank, dev)
+                                   for p in range(world)])
+    out["broadcast"] = pattern(1 << 18, torch.float32, world - 1, dev)
+    out["gather"] = (torch.stack([pattern(1000, torch.bfloat16, r, dev) for r in range(world)])
+                     if rank == 1 % world else torch.zeros(0))
+    out["scatter"] = pattern(777, torch.float32, 100 + rank, dev)
+    return {name: t.cpu() for name, t in out.items()}
+
+
+def _against_reference(rank, world, reference):
+    """smfree's results beside NCCL's where each rank has its own GPU ("nccl"), else beside
+    the bytes computed from the inputs ("computed": NCCL refuses two ranks on one GPU)."""
     ours = _every_collective(rank, world, None)
-    theirs = _every_collective(rank, world, nccl)
+    dev = cuda_device(rank)
+    if reference == "nccl":
+        theirs = _every_collective(rank, world, dist.new_group(backend="nccl"))
+    else:
+        theirs = _expected(rank, world, dev)
+    assert sorted(theirs) == sorted(ours), "the reference names other results"
     different = sorted(name for name in ours if not torch.equal(ours[name], theirs[name]))
-    dev = torch.device("cuda", rank)
     expected = torch.cat([pattern(1000, torch.bfloat16, r, dev) for r in range(world)]).cpu()
     gathered = ours["all_gather_into_tensor torch.bfloat16 1000"]
     stats = dist.group.WORLD._get_backend(dev)._stats()
@@ -123,20 +166,20 @@ def _against_nccl(rank, world):
 
 
 @pytest.mark.parametrize("lanes", ["1", "0"])
-def test_collectives_give_nccls_bytes_on_the_copy_engines(lanes):
+def test_collectives_give_the_reference_bytes_on_the_copy_engines(lanes):
     world = _world()
-    COPY_ENGINE.skip_unless_ranks(world)
+    reference = "computed" if ranks_share_a_gpu(world) else "nccl"
     env = dict(ALL_ON, SMFREE_COLLECTIVE_LANES=lanes)  # by collective lanes, or by rendezvous
     for rank, (different, gathered, counted) in enumerate(
-            COPY_ENGINE.run(_against_nccl, world, timeout=180, env=env)):
-        assert different == [], f"rank {rank}: differs from NCCL: {different}"
+            COPY_ENGINE.run(_against_reference, world, reference, timeout=180, env=env)):
+        assert different == [], f"rank {rank}: differs from the {reference} bytes: {different}"
         assert gathered, f"rank {rank}: all_gather_into_tensor misplaced bytes"
         # 6 all-gathers per (dtype, size), 2 coalesced, 4 all-to-alls, broadcast, gather, scatter
         assert counted == 3 * len(DTYPES) * len(NUMELS) + 2 + len(NUMELS) + 2 + 3
 
 
 def _in_stream_order(rank, world):
-    dev = torch.device("cuda", rank)
+    dev = cuda_device(rank)
     numel = 1 << 20
     mine = torch.zeros(numel, device=dev)
     flat = torch.zeros(numel * world, device=dev)
@@ -158,7 +201,6 @@ def _in_stream_order(rank, world):
 
 def test_collectives_follow_stream_order():
     world = _world()
-    COPY_ENGINE.skip_unless_ranks(world)
     for seen, seen_a2a in COPY_ENGINE.run(_in_stream_order, world, env=ALL_ON):
         assert seen == [float(r + 1) for r in range(world)]
         assert seen_a2a == [float(10 * r) for r in range(world)]
@@ -173,7 +215,7 @@ def _late_partners(rank, world):
     # hang): its pieces are first, and the others' posts queue every copy. Rank 0's stream
     # reaches the posts 200 ms late, after writing its inputs and clearing its outputs, so those
     # copies are right only if they wait for its stream.
-    dev = torch.device("cuda", rank)
+    dev = cuda_device(rank)
     backend = dist.group.WORLD._get_backend(dev)
     numel = 1 << 20
     before = backend._stats()
@@ -201,7 +243,6 @@ def _late_partners(rank, world):
 
 def test_a_collective_wait_returns_before_the_other_ranks_post():
     world = _world()
-    COPY_ENGINE.skip_unless_ranks(world)
     results = COPY_ENGINE.run(_late_partners, world, timeout=120, env=ALL_ON)
     pieces = 4 * (world - 1)  # each call: a send to and a recv from every other rank
     for rank, (gathered, exchanged, counts) in enumerate(results):
@@ -215,7 +256,7 @@ def test_a_collective_wait_returns_before_the_other_ranks_post():
 
 
 def _captured(rank, world, replays):
-    dev = torch.device("cuda", rank)
+    dev = cuda_device(rank)
     numel = 1 << 18
     mine = torch.zeros(numel, device=dev)
     flat = torch.zeros(numel * world, device=dev)
@@ -248,7 +289,6 @@ def _captured(rank, world, replays):
 
 def test_collectives_replay_in_cuda_graphs_with_no_kernel():
     world = _world()
-    COPY_ENGINE.skip_unless_ranks(world)
     replays = 3
     for seen, nodes in COPY_ENGINE.run(_captured, world, replays, timeout=120, env=ALL_ON):
         assert seen == [([float(100 * r + p) for p in range(world)],
@@ -260,7 +300,7 @@ def test_collectives_replay_in_cuda_graphs_with_no_kernel():
 
 
 def _kernels_of_collectives(rank, world):
-    dev = torch.device("cuda", rank)
+    dev = cuda_device(rank)
     mine = torch.ones(1 << 20, device=dev)
     flat = torch.empty((1 << 20) * world, device=dev)
     send = torch.ones((1 << 18) * world, device=dev)
@@ -276,10 +316,10 @@ def _kernels_of_collectives(rank, world):
     return sorted(set(kernels_launched(ops, 5)))
 
 
-@pytest.mark.parametrize("setting", ["all", "off"])
+@pytest.mark.parametrize("setting", [
+    "all", pytest.param("off", marks=pytest.mark.distinct_gpus(NCCL_REFUSES_SHARING))])
 def test_collectives_launch_no_kernel(setting):
     world = _world()
-    COPY_ENGINE.skip_unless_ranks(world)
     env = ALL_ON if setting == "all" else {"SMFREE_COLLECTIVES": "off"}
     for kernels in COPY_ENGINE.run(_kernels_of_collectives, world, env=env):
         if setting == "all":
@@ -289,7 +329,7 @@ def test_collectives_launch_no_kernel(setting):
 
 
 def _refusals(rank, world):
-    dev = torch.device("cuda", rank)
+    dev = cuda_device(rank)
     mine = torch.full((8,), float(rank), device=dev)
     errors = []
     calls = [
@@ -314,7 +354,6 @@ def _refusals(rank, world):
 
 def test_bad_collectives_are_refused_naming_the_op_and_post_nothing():
     world = _world()
-    COPY_ENGINE.skip_unless_ranks(world)
     for errors, gathered in COPY_ENGINE.run(_refusals, world, env=ALL_ON):
         assert None not in errors, errors
         assert "all_gather_into_tensor" in errors[0] and "elements" in errors[0]
@@ -325,7 +364,7 @@ def test_bad_collectives_are_refused_naming_the_op_and_post_nothing():
 
 
 def _one_rank_missing(rank, world):
-    dev = torch.device("cuda", rank)
+    dev = cuda_device(rank)
     store = dist.distributed_c10d._get_default_store()
     mine = torch.ones(1 << 10, device=dev)
     flat = torch.empty((1 << 10) * world, device=dev)
@@ -354,7 +393,6 @@ def _one_rank_missing(rank, world):
 
 def test_a_rank_that_never_joins_fails_the_collective_at_the_group_timeout():
     world = _world()
-    COPY_ENGINE.skip_unless_ranks(world)
     results = COPY_ENGINE.run(_one_rank_missing, world, group_timeout_s=5, timeout=60,
                               env=ALL_ON)
     for rank, result in enumerate(results[:-1]):
@@ -365,7 +403,7 @@ def test_a_rank_that_never_joins_fails_the_collective_at_the_group_timeout():
 
 
 def _one_rank_dies(rank, world):
-    dev = torch.device("cuda", rank)
+    dev = cuda_device(rank)
     mine = torch.ones(1 << 20, device=dev)
     flat = torch.empty((1 << 20) * world, device=dev)
     dist.all_gather_into_tensor(flat, mine)  # connects every rank
@@ -391,7 +429,6 @@ def _one_rank_dies(rank, world):
 
 def test_a_rank_that_dies_fails_the_collective_within_failure_detection():
     world = _world()
-    COPY_ENGINE.skip_unless_ranks(world)
     results = COPY_ENGINE.run(_one_rank_dies, world, group_timeout_s=30, timeout=90,
                               env=ALL_ON, expect_exit=(world - 1,))
     for rank, result in enumerate(results[:-1]):
@@ -405,7 +442,7 @@ def test_a_rank_that_dies_fails_the_collective_within_failure_detection():
 
 
 def _by_size(rank, world):
-    dev = torch.device("cuda", rank)
+    dev = cuda_device(rank)
     stats = dist.group.WORLD._get_backend(dev)._stats
     counted = []
     for numel in (256, 2048):  # 1 KiB and 8 KiB pieces, around the 4 KiB setting
@@ -423,9 +460,9 @@ def _by_size(rank, world):
     return counted, got.tolist() == [float(p) for p in range(world) for _ in range(outs[p])]
 
 
+@pytest.mark.distinct_gpus(NCCL_REFUSES_SHARING)
 def test_pieces_under_the_min_bytes_go_to_nccl():
     world = _world()
-    COPY_ENGINE.skip_unless_ranks(world)
     env = {"SMFREE_COLLECTIVES": "all", "SMFREE_COLLECTIVE_MIN_BYTES": "4096"}
     for counted, right in COPY_ENGINE.run(_by_size, world, env=env):
         assert counted == [0, 1, 2] and right

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 import channels
+from devices import cuda_device, rank_gpu
 from harness import synchronize
 from payloads import sends_then_recvs
 
@@ -35,7 +36,7 @@ def _warm_up(rank, dev, numel, sender=0):
 
 
 def _send_returns_before_the_recv_is_posted(rank, world, numel, rounds):
-    dev = torch.device("cuda", rank)
+    dev = cuda_device(rank)
     peer = 1 - rank
     _warm_up(rank, dev, numel, sender=0)
     _warm_up(rank, dev, numel, sender=1)
@@ -61,7 +62,6 @@ def _send_returns_before_the_recv_is_posted(rank, world, numel, rounds):
 @pytest.mark.parametrize("numel", [1, 64 << 10, 1 << 18, EAGER_MAX // 4],
                          ids=["4B", "256KiB", "1MiB", "16MiB"])
 def test_send_wait_returns_before_its_recv_is_posted(numel, connections):
-    COPY_ENGINE.skip_unless_ranks(2)
     rounds = 20
     results = COPY_ENGINE.run(_send_returns_before_the_recv_is_posted, 2, numel, rounds,
                               env={"CUDA_DEVICE_MAX_CONNECTIONS": connections})
@@ -81,7 +81,7 @@ def _more_messages_than_slots(rank, world, count, numel):
     # and queues every copy out in the lane's order, so no slot is awaited behind the copy that
     # frees it; the sends beyond the slots find them full and are held, then copied by the
     # sender's progress thread as the receiver's GPU empties them.
-    dev = torch.device("cuda", rank)
+    dev = cuda_device(rank)
     peer = 1 - rank
     for _ in range(2):  # the lane opens (rendezvous), then its first eager message shows it
         _warm_up(rank, dev, numel)
@@ -111,7 +111,6 @@ def _more_messages_than_slots(rank, world, count, numel):
 
 @pytest.mark.parametrize("connections", ["1", "8"])
 def test_more_messages_than_slots_waited_last_first(connections):
-    COPY_ENGINE.skip_unless_ranks(2)
     count = 40
     sender, receiver = COPY_ENGINE.run(_more_messages_than_slots, 2, count, 4096,
                                        env={"CUDA_DEVICE_MAX_CONNECTIONS": connections})
@@ -135,7 +134,7 @@ def _posts_before_recvs(rank, world, numels):
     # Both ranks post every send, then, once both have, every recv, then wait for the recvs
     # last first and for the sends. The receiver takes nothing before the sender's posts are
     # done: the lane's 8 slots fill, and its later eager-sized sends go by rendezvous.
-    dev = torch.device("cuda", rank)
+    dev = cuda_device(rank)
     peer = 1 - rank
     _warm_up(rank, dev, 1, sender=0)
     _warm_up(rank, dev, 1, sender=1)
@@ -155,7 +154,6 @@ def _posts_before_recvs(rank, world, numels):
 @pytest.mark.parametrize("connections", ["1", "8"])
 @pytest.mark.parametrize("program", ["mixed-18", "100", "1000"])
 def test_sends_posted_before_any_recv_never_block_their_post(program, connections):
-    COPY_ENGINE.skip_unless_ranks(2)
     numels = MIXED_18 if program == "mixed-18" else [1 << (i % 19) for i in range(int(program))]
     eager = sum(1 for n in numels if 4 * n <= EAGER_MAX)
     for wrong, stats in COPY_ENGINE.run(_posts_before_recvs, 2, numels, timeout=240,
@@ -168,7 +166,7 @@ def test_sends_posted_before_any_recv_never_block_their_post(program, connection
 def _many_lanes(rank, world, tags, rounds):
     # More lanes than one per tag and group of a pipeline: every tag of two groups, with
     # any-source recvs on one tag among them, each lane posted ahead of its recvs.
-    dev = torch.device("cuda", rank)
+    dev = cuda_device(rank)
     peer = 1 - rank
     other = dist.new_group([0, 1])
     store = _store()
@@ -200,7 +198,6 @@ def _many_lanes(rank, world, tags, rounds):
 
 
 def test_many_tags_and_groups_with_any_source_recvs_all_complete():
-    COPY_ENGINE.skip_unless_ranks(2)
     tags = 6
     # Small slots: every lane gets its ring within the default bound.
     for wrong, lanes, sends in COPY_ENGINE.run(_many_lanes, 2, tags, 3, timeout=180,
@@ -213,7 +210,7 @@ def test_many_tags_and_groups_with_any_source_recvs_all_complete():
 def _bounded_rings(rank, world):
     # Room for one eager ring of 8 x 1 MiB: the lane of tag 0 gets it, tag 1's is refused and
     # its sends go by rendezvous.
-    dev = torch.device("cuda", rank)
+    dev = cuda_device(rank)
     peer = 1 - rank
     for _ in range(2):
         for tag in (0, 1):
@@ -232,18 +229,18 @@ def _bounded_rings(rank, world):
 
 
 def test_rings_stay_within_their_memory_bound_and_lanes_beyond_go_by_rendezvous():
-    COPY_ENGINE.skip_unless_ranks(2)
     env = {"SMFREE_RING_MEMORY_BYTES": str(8 << 20), "SMFREE_EAGER_BYTES": str(1 << 20)}
     sender, receiver = COPY_ENGINE.run(_bounded_rings, 2, env=env)
     ring_bytes, lanes, pending = receiver
     assert ring_bytes == 8 << 20
-    assert "rings for peers' sends: cuda:1 8 MiB of 8 MiB (SMFREE_RING_MEMORY_BYTES)" in pending
+    assert (f"rings for peers' sends: cuda:{rank_gpu(1)} 8 MiB of 8 MiB "
+            "(SMFREE_RING_MEMORY_BYTES)") in pending
     assert lanes == 1  # tag 1's lane has no ring
     assert sender[0] == 0 and "rings" not in sender[2]
 
 
 def _recv_returns_before_its_send_is_posted(rank, world, numel, rounds):
-    dev = torch.device("cuda", rank)
+    dev = cuda_device(rank)
     peer = 1 - rank
     for _ in range(2):
         _warm_up(rank, dev, numel)
@@ -264,7 +261,6 @@ def _recv_returns_before_its_send_is_posted(rank, world, numel, rounds):
 
 @pytest.mark.parametrize("connections", ["1", "8"])
 def test_recv_wait_returns_before_its_send_is_posted(connections):
-    COPY_ENGINE.skip_unless_ranks(2)
     rounds = 12
     got = COPY_ENGINE.run(_recv_returns_before_its_send_is_posted, 2, 64 << 10, rounds,
                           env={"CUDA_DEVICE_MAX_CONNECTIONS": connections})[1]
@@ -286,7 +282,7 @@ def _error_of(work):
 def _lane_shown_eager(rank, numel):
     """Rank 0's lane to rank 1 opened, and shown eager by one message: the device, the peer and
     the store."""
-    dev = torch.device("cuda", rank)
+    dev = cuda_device(rank)
     for _ in range(2):
         _warm_up(rank, dev, numel)
     return dev, 1 - rank, _store()
@@ -308,7 +304,6 @@ def _refused_eager_send(rank, world):
 
 
 def test_receiver_refusal_of_an_eager_send_reaches_the_sender_after_its_wait():
-    COPY_ENGINE.skip_unless_ranks(2)
     (late, refused), receiver_error = COPY_ENGINE.run(_refused_eager_send, 2)
     assert "size or dtype mismatch" in receiver_error, receiver_error
     assert "rank 0 sends float32[4] (16 B) on cuda" in receiver_error, receiver_error
@@ -336,7 +331,7 @@ def _dropped_after_isend(rank, world, numel):
     # The caller drops each tensor right after isend, or replaces its `.data` (as Megatron's
     # deallocate_output_tensor does), and fresh tensors take the freed memory at once: the
     # eager copies, queued behind the caller's stream, still read the sent bytes.
-    dev = torch.device("cuda", rank)
+    dev = cuda_device(rank)
     peer = 1 - rank
     _warm_up(rank, dev, numel)
     if rank == 0:
@@ -358,6 +353,5 @@ def _dropped_after_isend(rank, world, numel):
 
 
 def test_eager_sends_hold_the_bytes_of_tensors_dropped_after_isend():
-    COPY_ENGINE.skip_unless_ranks(2)
     got = COPY_ENGINE.run(_dropped_after_isend, 2, 64 << 10)[1]
     assert got == [(float(i), float(i)) for i in range(8)]

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 import channels
 from cuda_graphs import new_graph, node_types
+from devices import cuda_device, gpu_count, rank_gpu
 from harness import swap
 
 pytestmark = pytest.mark.gpu
@@ -56,7 +57,7 @@ def _capture(fn, mode):
 
 
 def _captured_exchanges(rank, world, order, mode, replays):
-    dev = torch.device("cuda", rank)
+    dev = cuda_device(rank)
     peer = 1 - rank
     pairs = [(torch.zeros(size // 4, device=dev), torch.zeros(size // 4, device=dev))
              for size in SIZES]
@@ -90,7 +91,6 @@ def _captured_exchanges(rank, world, order, mode, replays):
     ("batch", "8", "global"), ("sends_waited_first", "8", "thread_local"),
     ("batch", "1", "thread_local"), ("sends_waited_first", "1", "global")])
 def test_captured_exchanges_replay_the_right_bytes(order, connections, mode):
-    COPY_ENGINE.skip_unless_ranks(2)
     replays = 4
     results = COPY_ENGINE.run(_captured_exchanges, 2, order, mode, replays, timeout=240,
                               env={"CUDA_DEVICE_MAX_CONNECTIONS": connections})
@@ -122,27 +122,40 @@ def _chunks(size):
     return -(-size // bounce)
 
 
+def _copy_nodes(to_gpu, from_gpu, size, local_copies):
+    """Memcpy nodes of one copy of `size` bytes from one GPU's memory to another's (or the
+    same's): one, or two per chunk through a bounce where it stays within one GPU (unless
+    SMFREE_LOCAL_COPIES=driver)."""
+    if local_copies == "driver" or to_gpu != from_gpu:
+        return 1
+    return 2 * _chunks(size)
+
+
+def _slot_gpu(sender_gpu, local_copies):
+    """Where a send's slot lies: with peer_gpu on the GPU after the sender's (every GPU of the
+    test machine reaches every other), with one GPU or another setting on the sender's own."""
+    gpus = gpu_count()
+    if local_copies == "peer_gpu" and gpus > 1:
+        return (sender_gpu + 1) % gpus
+    return sender_gpu
+
+
 def _memcpy_nodes(rank, peer, sizes=SIZES, local_copies="peer_gpu", direct=False):
     """Memcpy nodes of one rank's graphs of one exchange per size, by SMFREE_LOCAL_COPIES.
-    direct: one copy of the send's straight into the peer's buffer, none for the recv.
-    Through slots: driver: one copy into the send's slot on its own GPU, one out of the peer's.
-    peer_gpu: a send's slot lies on the GPU after its own (every GPU of the test machine reaches
-    every other), one copy into it; a recv reads its sender's slot in one copy, or in two per
-    chunk through a bounce where that slot lies on its own GPU. host: two copies per chunk into
-    the slot, through host memory; one out of the peer's."""
+    direct: the send's copy straight into the peer's buffer, none for the recv. Through slots:
+    the send's copy into its slot, the recv's copy out of its sender's slot. A copy within one
+    GPU bounces (through a peer GPU's memory, or through host memory where there is no peer GPU
+    or with host), in two copies per chunk; ranks that share a GPU copy within it."""
+    mine, theirs = rank_gpu(rank), rank_gpu(peer)
     if direct:
-        return len(sizes)
-    if local_copies == "driver":
-        return 2 * len(sizes)
-    if local_copies == "host":
-        return sum(2 * _chunks(size) + 1 for size in sizes)
-    gpus = torch.cuda.device_count()
-    peer_slot_here = (peer + 1) % gpus == rank
-    return sum(1 + (2 * _chunks(size) if peer_slot_here else 1) for size in sizes)
+        return sum(_copy_nodes(theirs, mine, size, local_copies) for size in sizes)
+    return sum(_copy_nodes(_slot_gpu(mine, local_copies), mine, size, local_copies) +
+               _copy_nodes(mine, _slot_gpu(theirs, local_copies), size, local_copies)
+               for size in sizes)
 
 
 def _graph_of_one_exchange(rank, numel, order="batch"):
-    dev = torch.device("cuda", rank)
+    dev = cuda_device(rank)
     peer = 1 - rank
     src = torch.full((numel,), float(rank), device=dev)
     dst = torch.zeros(numel, device=dev)
@@ -173,7 +186,6 @@ def _replays_under_the_profiler(rank, world, numel, replays, order):
     ("batch", "peer_gpu"), ("sends_waited_first", "driver"),
     ("sends_waited_first", "peer_gpu"), ("sends_waited_first", "host")])
 def test_replays_run_copies_and_no_kernel(order, local_copies):
-    COPY_ENGINE.skip_unless_ranks(2)
     replays = 10
     numel = 1 << 18
     results = COPY_ENGINE.run(_replays_under_the_profiler, 2, numel, replays, order,
@@ -189,7 +201,7 @@ def _freed_after_its_send(rank, world, numel, replays):
     # Megatron frees a sent activation right after its send (deallocate_pipeline_outputs), and
     # inside a capture the graph's pool hands that memory to the next allocation: the send must
     # still read what was there at its post, at every replay.
-    dev = torch.device("cuda", rank)
+    dev = cuda_device(rank)
     peer = 1 - rank
     base = torch.zeros(numel, device=dev)
     got = torch.zeros(numel, device=dev)
@@ -213,7 +225,6 @@ def _freed_after_its_send(rank, world, numel, replays):
 
 
 def test_a_send_freed_inside_the_capture_still_sends_its_bytes():
-    COPY_ENGINE.skip_unless_ranks(2)
     replays = 3
     for rank, seen in enumerate(COPY_ENGINE.run(_freed_after_its_send, 2, 1 << 20, replays)):
         peer = 1 - rank
@@ -223,7 +234,7 @@ def test_a_send_freed_inside_the_capture_still_sends_its_bytes():
 def _synchronized_inside_the_capture(rank, world, numel, replays):
     # synchronize() on a captured op makes the stream wait for it, as wait() does: a captured
     # recv's copy goes into the graph either way.
-    dev = torch.device("cuda", rank)
+    dev = cuda_device(rank)
     peer = 1 - rank
     src = torch.zeros(numel, device=dev)
     got = torch.zeros(numel, device=dev)
@@ -243,7 +254,6 @@ def _synchronized_inside_the_capture(rank, world, numel, replays):
 
 
 def test_synchronize_inside_a_capture_waits_as_wait_does():
-    COPY_ENGINE.skip_unless_ranks(2)
     replays = 3
     for rank, seen in enumerate(COPY_ENGINE.run(_synchronized_inside_the_capture, 2, 4096,
                                                 replays)):
@@ -289,7 +299,6 @@ def _peer_stops_replaying(rank, world, numel):
 
 
 def test_a_peer_that_stops_replaying_is_reported_at_the_group_timeout():
-    COPY_ENGINE.skip_unless_ranks(2)
     timeout_s = 4
     results = COPY_ENGINE.run(_peer_stops_replaying, 2, 1 << 16, group_timeout_s=timeout_s,
                               timeout=120)
@@ -317,7 +326,6 @@ def _peer_dies(rank, world, numel):
 
 
 def test_a_dead_peer_leaves_no_replay_waiting():
-    COPY_ENGINE.skip_unless_ranks(2)
     results = COPY_ENGINE.run(_peer_dies, 2, 1 << 16, group_timeout_s=60, timeout=120,
                               expect_exit=(0,))
     released, error = results[1]
@@ -326,7 +334,7 @@ def test_a_dead_peer_leaves_no_replay_waiting():
 
 
 def _refusals_and_what_works(rank, world):
-    dev = torch.device("cuda", rank)
+    dev = cuda_device(rank)
     peer = 1 - rank
     refused = {}
 
@@ -391,8 +399,8 @@ def _refusals_and_what_works(rank, world):
     return refused, cpu_got.tolist(), replayed
 
 
+@pytest.mark.distinct_gpus("all-reduces through NCCL, which refuses two ranks on one GPU")
 def test_what_cannot_be_captured_is_refused_at_the_call():
-    COPY_ENGINE.skip_unless_ranks(2)
     for rank, (refused, cpu_got, replayed) in enumerate(
             COPY_ENGINE.run(_refusals_and_what_works, 2, timeout=120)):
         assert "cannot be captured in a CUDA graph" in refused["any_source"]
@@ -406,7 +414,7 @@ def test_what_cannot_be_captured_is_refused_at_the_call():
 
 
 def _ucx_capture_refused(rank, world):
-    dev = torch.device("cuda", rank)
+    dev = cuda_device(rank)
     graph = torch.cuda.CUDAGraph()
     try:
         with torch.cuda.graph(graph):
@@ -417,6 +425,5 @@ def _ucx_capture_refused(rank, world):
 
 
 def test_cuda_over_ucx_is_refused_in_a_capture():
-    channels.CUDA_UCX_TCP.skip_unless_ranks(2)
     for error in channels.CUDA_UCX_TCP.run(_ucx_capture_refused, 2):
         assert error and "SMFREE_TRANSPORT=ucx" in error and "cannot be captured" in error

@@ -4,13 +4,14 @@ import pytest
 import torch
 
 from cuda_profile import kernels_launched
+from devices import cuda_device
 from payloads import exchange
 
 pytestmark = pytest.mark.gpu
 
 
 def _zero_kernels(rank, world, numel):
-    dev = torch.device("cuda", rank)
+    dev = cuda_device(rank)
     peer = 1 - rank
     mine = torch.ones(numel, device=dev)
     got = torch.empty(numel, device=dev)

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 import channels
+from devices import cuda_device
 from payloads import exchange, numbered
 
 pytestmark = pytest.mark.gpu
@@ -24,7 +25,7 @@ EAGER_BELOW_STAGING = {"SMFREE_EAGER_BYTES": str(8 << 20), "SMFREE_STAGING_BYTES
 
 
 def _one_way_into_one_buffer(rank, world, rounds):
-    dev = torch.device("cuda", rank)
+    dev = cuda_device(rank)
     backend = dist.group.WORLD._get_backend(dev)
     buffer = torch.empty(max(STAGING_SIZES) // 4, dtype=torch.int32, device=dev)
     # Connect first, with the sender's kernels loaded, and start together: the receiver's sleep
@@ -71,7 +72,7 @@ def test_sends_into_a_buffer_the_receiver_keeps_reusing(staging):
 
 
 def _receiver_dies_with_sends_waiting_for_slots(rank, world):
-    dev = torch.device("cuda", rank)
+    dev = cuda_device(rank)
     exchange(torch.ones(4, device=dev), torch.empty(4, device=dev), 1 - rank)  # connect first
     torch.cuda.synchronize()
     numel = (16 << 20) // 4
@@ -106,7 +107,7 @@ def test_receiver_death_fails_the_sends_held_for_a_staging_slot():
 
 
 def _exchanges_and_staging(rank, world, sizes):
-    dev = torch.device("cuda", rank)
+    dev = cuda_device(rank)
     backend = dist.group.WORLD._get_backend(dev)
     before = backend._stats()
     for nbytes in sizes:

@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from devices import cuda_device
 from payloads import DTYPES, exchange, exchange_every_dtype, exchange_sizes
 
 pytestmark = pytest.mark.gpu
@@ -13,7 +14,7 @@ pytestmark = pytest.mark.gpu
 def _pp2_one_peer(rank, world, steps):
     # PP = 2 with 1F1B-like traffic: activations forward and gradients backward to the same
     # peer, compute between, some steps batched, some not, ops on a side stream.
-    dev = torch.device("cuda", rank)
+    dev = cuda_device(rank)
     peer = 1 - rank
     side = torch.cuda.Stream(dev)
     weight = torch.randn(512, 512, device=dev)
@@ -55,7 +56,7 @@ def test_pp2_one_peer_next_and_previous_stage_on_a_side_stream(cuda_channel):
 
 
 def _many_groups_many_streams(rank, world, groups_count, rounds):
-    dev = torch.device("cuda", rank)
+    dev = cuda_device(rank)
     peer = 1 - rank
     groups = [dist.new_group([0, 1], backend="smfree") for _ in range(groups_count)]
     streams = [torch.cuda.Stream(dev) for _ in groups]

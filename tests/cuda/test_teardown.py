@@ -6,12 +6,14 @@ import sys
 
 import pytest
 
+from devices import rank_gpu
+
 pytestmark = pytest.mark.gpu
 
 EXIT_WITHOUT_TEARDOWN = """
 import sys, torch, torch.distributed as dist, smfree_pg
 rank = int(sys.argv[1])
-torch.cuda.set_device(rank)
+torch.cuda.set_device(int(sys.argv[3]))
 dist.init_process_group("smfree", init_method="file://" + sys.argv[2], rank=rank, world_size=2)
 mine = torch.full((1 << 20,), float(rank), device="cuda")
 got = torch.empty_like(mine)
@@ -29,7 +31,8 @@ assert got[0].item() == 1 - rank
 def test_cuda_ranks_that_exit_without_destroying_the_group_exit_cleanly(cuda_channel, tmp_path):
     env = {**os.environ, "SMFREE_LOG_LEVEL": "error", **cuda_channel.env}
     ranks = [subprocess.Popen([sys.executable, "-c", EXIT_WITHOUT_TEARDOWN, str(rank),
-                               str(tmp_path / "store")], env=env, stderr=subprocess.PIPE)
+                               str(tmp_path / "store"), str(rank_gpu(rank))], env=env,
+                              stderr=subprocess.PIPE)
              for rank in range(2)]
     try:
         errors = [rank.communicate(timeout=120)[1].decode()[-2000:] for rank in ranks]

@@ -1,7 +1,8 @@
-"""Zero SMs: with the default settings (copies within one GPU bounced through a peer GPU), and
-with them bounced through host memory, every same-host CUDA op finishes while a kernel holds
-every SM of both GPUs (a copy the driver ran as a kernel of its own would wait for the hold to
-end): eager, rendezvous and any-source exchanges, exchanges captured in CUDA graphs (batched,
+"""Zero SMs: with the default settings (copies within one GPU bounced through a peer GPU, or
+through host memory where there is none), and with them bounced through host memory, every
+same-host CUDA op finishes while a kernel holds every SM of the ranks' GPUs (a copy the driver
+ran as a kernel of its own would wait for the hold to end); on one GPU both ranks share it and
+each holds every SM in its own context's time slices (smfree_pg.bench.starvation): eager, rendezvous and any-source exchanges, exchanges captured in CUDA graphs (batched,
 which copy straight into the recv's buffer, and unbatched, through slots; 4 KiB to 256 MiB),
 ops to the rank itself, the collectives on the copy engines (all-gather out of place and in
 place, all-to-all, broadcast; uncaptured and captured). A kernel queued the same way must end only after the hold,
@@ -14,10 +15,10 @@ any stream) has ended, so an op's flags wait for the hold there whatever runs it
 (docs/design.md, "Zero SMs")."""
 
 import pytest
-import torch
 import torch.distributed as dist
 
 import channels
+from devices import cuda_device
 from smfree_pg.bench.starvation import StoreSync, held_paths
 
 pytestmark = pytest.mark.gpu
@@ -26,7 +27,7 @@ COPY_ENGINE = channels.COPY_ENGINE
 
 
 def _every_path_held(rank, world):
-    return held_paths(dist.group.WORLD, rank, 1 - rank, torch.device("cuda", rank),
+    return held_paths(dist.group.WORLD, rank, 1 - rank, cuda_device(rank),
                       StoreSync([0, 1], rank, "zero-sm"),
                       sizes=[4 << 10, 1 << 20, 16 << 20, 64 << 20],  # eager, and rendezvous
                       captured_sizes=[4 << 10, 1 << 20, 64 << 20, 256 << 20], hold_ms=600)
@@ -34,7 +35,6 @@ def _every_path_held(rank, world):
 
 @pytest.mark.parametrize("local_copies", ["default", "host"])
 def test_every_same_host_op_finishes_while_every_sm_is_held(local_copies):
-    COPY_ENGINE.skip_unless_ranks(2)
     # Every collective on the copy engines, whatever its size (the defaults keep some on NCCL).
     env = {"CUDA_DEVICE_MAX_CONNECTIONS": "8", "SMFREE_COLLECTIVES": "all",
            "SMFREE_COLLECTIVE_MIN_BYTES": "0"}

@@ -1,4 +1,5 @@
-"""CUDA tensors between emulated hosts, one GPU each (CUDA_VISIBLE_DEVICES per host): smfree
+"""CUDA tensors between emulated hosts, one GPU each (CUDA_VISIBLE_DEVICES per host; the hosts
+share it where the machine has one GPU): smfree
 takes its real cross-host path, UCX over TCP through pinned host memory, with SMFREE_TRANSPORT
 unset; and a link cut during CUDA exchanges is reported naming the peer's host.
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from devices import rank_gpu
 from exchange import first_line, payload, report_progress
 from hosts import Hosts
 
@@ -20,8 +22,11 @@ pytestmark = pytest.mark.gpu
 SIZES = [0, 1, 4099, (1 << 20) + 3, (16 << 20) + 5, 64 << 20]  # int32 elements: up to 256 MiB
 JOB_TIMEOUT_S = 120
 AS_HOSTS = {"UCX_TLS": "^cuda_ipc"}
-ONE_GPU_EACH = {0: {"CUDA_VISIBLE_DEVICES": "0", **AS_HOSTS},
-                1: {"CUDA_VISIBLE_DEVICES": "1", **AS_HOSTS}}
+
+
+def _one_gpu_each():
+    """Each host's environment: its rank's GPU alone (devices.rank_gpu)."""
+    return {host: {"CUDA_VISIBLE_DEVICES": str(rank_gpu(host)), **AS_HOSTS} for host in (0, 1)}
 
 
 def _backend():
@@ -62,7 +67,7 @@ def _cuda_sizes(rank, world):
 def cuda_between_hosts():
     """Each rank's findings from one job of _cuda_sizes on two hosts of one GPU each."""
     with Hosts(2) as hosts:
-        job = hosts.launch(_cuda_sizes, 1, host_env=ONE_GPU_EACH)
+        job = hosts.launch(_cuda_sizes, 1, host_env=_one_gpu_each())
         values = job.values(JOB_TIMEOUT_S)
         assert hosts.leftover_processes() == []
     return values
@@ -113,7 +118,7 @@ def test_exchange_rate_between_hosts_cuda_staged_beside_host_memory(device):
     and, as the wire's floor, CPU tensors over the same link."""
     numel, rounds = 16 << 20, 10
     with Hosts(2) as hosts:
-        job = hosts.launch(_rate, 1, device, numel, rounds, host_env=ONE_GPU_EACH)
+        job = hosts.launch(_rate, 1, device, numel, rounds, host_env=_one_gpu_each())
         values = job.values(JOB_TIMEOUT_S)
     for rank, value in enumerate(values):
         print(f"\nRATE {device} 64 MiB each way, rank {rank}: {value['gbps']:.2f} GB/s both ways, "
@@ -138,7 +143,7 @@ def _cuda_until_cut(rank, world):
 
 def test_cuda_link_cut_is_reported_naming_the_peer_host():
     with Hosts(2) as hosts:
-        job = hosts.launch(_cuda_until_cut, 1, group_timeout_s=15, host_env=ONE_GPU_EACH)
+        job = hosts.launch(_cuda_until_cut, 1, group_timeout_s=15, host_env=_one_gpu_each())
         job.wait_all_progress(20)
         hosts.link_down(1)
         values = job.values(JOB_TIMEOUT_S)

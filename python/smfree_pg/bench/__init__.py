@@ -21,17 +21,23 @@ Sections (`--only`), one module each:
    (SMFREE_COLLECTIVES) against NCCL, every rank, 64 KiB ... 256 MiB per piece: µs per call and
    aggregate GB/s beside the floor (the same pieces as bare peer copies from one process) and
    NCCL's own copy-engine path (or where it fails); a GEMM loop's slowdown beside each.
-10. starvation: every same-host path run while a kernel holds every SM of both GPUs; when
-    each op ended, during the hold (no SM) or after it.
+10. starvation: every same-host path run while a kernel holds every SM of both GPUs (or of
+    the one GPU both ranks share); when each op ended, during the hold (no SM) or after it.
+11. shared_gpu: two ranks on one GPU (which NCCL refuses) exchange both ways, 4 KiB ... 64 MiB:
+    smfree's µs per exchange beside the copy floors timed on that GPU in the same run (D2H then
+    H2D; D2H and H2D overlapped; a device-local copy).
 
 Ranks pair up (0<->1, 2<->3, ...; with an odd world size the last rank idles) and all pairs run
 at once; pipelines take the first ranks; alltoall and collectives take every rank. Rank 0
 prints its figures and writes every figure to a JSON file (schema in `report.new_report`), from
 which `python -m smfree_pg.bench.plot` draws PNG plots. 1 GB = 1e9 bytes.
 
-On CUDA it needs at least 2 GPUs on one host and spawns one rank per visible GPU itself:
+On CUDA it spawns one rank per visible GPU itself, at least 2. Where ranks share a GPU (one GPU,
+more ranks than GPUs, or the shared_gpu section) every rank runs on cuda:0 and only the sections
+that run there do (shared_gpu, starvation: smfree alone, NCCL refuses two ranks on one GPU):
 
     python -m smfree_pg.bench
+    python -m smfree_pg.bench --only shared_gpu --json out/shared.json
     python -m smfree_pg.bench --only bandwidth --sizes 4K,1M,256M --json out/bw.json
     python -m smfree_pg.bench --only pipelining,roundtrip --connections default,1
 

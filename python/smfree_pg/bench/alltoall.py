@@ -29,6 +29,7 @@ from smfree_pg.bench.stats import paired_ratios
 
 NAME = "alltoall"
 DEVICES = ("cuda",)
+PLACEMENTS = ("own",)
 # The smfree counters printed: what holds memory or mappings.
 MEMORY_STAT_WORDS = ("bytes", "ring", "mapping", "ipc")
 

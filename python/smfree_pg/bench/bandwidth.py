@@ -24,6 +24,7 @@ from smfree_pg.bench.sizes import format_size, parse_sizes
 
 NAME = "bandwidth"
 DEVICES = ("cuda",)
+PLACEMENTS = ("own",)
 MODES = ("oneway", "bidir")
 MODE_TITLES = {
     "oneway": "one way (rank 0 sends, rank 1 receives)",

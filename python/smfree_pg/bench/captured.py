@@ -37,6 +37,7 @@ from smfree_pg.bench.sizes import format_size, parse_sizes
 
 NAME = "captured"
 DEVICES = ("cuda",)
+PLACEMENTS = ("own",)
 CAPTURE_MODE = "thread_local"
 # The floor probes, measured beside the backends (BareCopies).
 PROBES = ("two_copies", "one_copy")

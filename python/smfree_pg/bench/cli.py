@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 DEVICES = ("cuda", "cpu")
 
@@ -47,13 +48,14 @@ def build_parser(sections: dict, description: str) -> argparse.ArgumentParser:
     add("--json", default="bench-out/bench.json", metavar="PATH",
         help="where rank 0 writes every figure; profiler traces go beside it "
         "(default: %(default)s)")
-    add("--nproc", type=int, help="ranks to spawn (default: visible GPUs, at least 2; 2 on "
-        "CPU); ignored under torchrun")
+    add("--nproc", type=int, help="ranks to spawn (default: visible GPUs, at least 2; 2 where "
+        "ranks share a GPU or on CPU); ignored under torchrun")
     add("--timeout-min", type=float, default=5.0,
         help="group timeout in minutes; a section still running a minute past it ends "
         "the rank (default: %(default)s)")
     add("--device", choices=DEVICES, default="cuda",
-        help="cuda: one GPU per rank, smfree against NCCL; cpu: CPU tensors, smfree (over UCX) "
+        help="cuda: one GPU per rank, smfree against NCCL (with one GPU, or with the shared_gpu "
+        "section, every rank on cuda:0 and smfree alone: NCCL refuses that); cpu: CPU tensors, smfree (over UCX) "
         "against Gloo, for the sections that run there (default: %(default)s)")
     add("--connections", type=parse_connections, metavar="SETTINGS",
         help="CUDA_DEVICE_MAX_CONNECTIONS for the ranks, comma-separated, 'default' = unset: "
@@ -69,6 +71,7 @@ def parse_args(sections: dict, description: str, argv: list[str] | None = None
     parser = build_parser(sections, description)
     args = parser.parse_args(argv)
     runnable = [name for name, section in sections.items() if args.device in section.DEVICES]
+    args.only_given = args.only is not None
     if args.only is None:
         args.only = runnable
     elif not_here := [name for name in args.only if name not in runnable]:
@@ -83,3 +86,35 @@ def parse_args(sections: dict, description: str, argv: list[str] | None = None
     for section in sections.values():
         section.check_arguments(args, parser)
     return args
+
+
+def plan_ranks(args, sections: dict, gpus: int, ranks: int | None) -> tuple[int, bool]:
+    """(ranks per host, whether they share cuda:0) for a CUDA run with `gpus` visible GPUs;
+    `ranks`: --nproc, or torchrun's ranks per host (None: the default). Ranks share a GPU where a
+    chosen section runs only there (shared_gpu), or where there are fewer GPUs than ranks. A
+    section that needs a GPU per rank (NCCL, its reference, refuses two ranks on one GPU) is then
+    refused, naming what runs instead; where --only was not given, the sections that cannot run
+    with this placement are left out."""
+    def runs(name: str, placement: str) -> bool:
+        return placement in sections[name].PLACEMENTS
+
+    too_few = gpus < (ranks or 2)
+    if args.only_given:
+        shared = too_few or any(not runs(name, "own") for name in args.only)
+    else:
+        shared = too_few
+        args.only = [name for name in args.only if runs(name, "shared" if shared else "own")]
+    if shared and gpus < 1:
+        sys.exit("smfree bench: needs a CUDA GPU, found none")
+    per_rank = [name for name in args.only if not runs(name, "shared" if shared else "own")]
+    if per_rank and too_few:
+        instead = ",".join(name for name, section in sections.items()
+                           if runs(name, "shared") and "cuda" in section.DEVICES)
+        sys.exit(f"smfree bench: {', '.join(per_rank)} need a GPU per rank (NCCL refuses two "
+                 f"ranks on one GPU); with {gpus} GPU(s) for {ranks or 2} ranks run "
+                 f"--only {instead}")
+    if per_rank:
+        on_one = [name for name in args.only if not runs(name, "own")]
+        sys.exit(f"smfree bench: {', '.join(on_one)} put every rank on one GPU and "
+                 f"{', '.join(per_rank)} need a GPU per rank: run them apart")
+    return ranks or (2 if shared else max(2, gpus)), shared

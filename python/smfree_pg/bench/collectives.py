@@ -48,6 +48,7 @@ from smfree_pg.bench.stats import paired_ratios
 
 NAME = "collectives"
 DEVICES = ("cuda",)
+PLACEMENTS = ("own",)
 # --collectives-ops's names for them.
 OP_NAMES = {"all_gather": ALL_GATHER, "all_gather_in_place": IN_PLACE, "all_to_all": ALL_TO_ALL,
             "all_to_all_uneven": UNEVEN, "broadcast": BROADCAST, "gather": GATHER,

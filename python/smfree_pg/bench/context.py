@@ -29,14 +29,15 @@ class Ctx:
     ctrl: dist.ProcessGroup  # Gloo: barriers and gathers that put nothing on the GPUs
     started: float
     timeout_s: float  # the groups' timeout
+    shared_gpu: bool = False  # every rank on one GPU: smfree alone, NCCL refuses that
 
     @property
-    def reference(self) -> str:
-        return REFERENCE[self.device.type]
+    def reference(self) -> str | None:
+        return None if self.shared_gpu else REFERENCE[self.device.type]
 
     @property
-    def backends(self) -> tuple[str, str]:
-        return ("smfree", self.reference)
+    def backends(self) -> tuple[str, ...]:
+        return ("smfree",) if self.shared_gpu else ("smfree", self.reference)
 
     def arm_watchdog(self) -> None:
         """Ends this rank, with every thread's traceback, if the watchdog is not armed again

@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 
 import smfree_pg  # noqa: F401  (registers the backend)
 from smfree_pg import bench
-from smfree_pg.bench.cli import parse_args
+from smfree_pg.bench.cli import parse_args, plan_ranks
 from smfree_pg.bench.context import REFERENCE, Ctx, barrier, free_port, log
 from smfree_pg.bench.report import new_report, print_header, write_report
 from smfree_pg.bench.sections import SECTIONS
@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> None:
         args.launcher = "torchrun"
         check_torchrun_connections(args.connections)
         rank = int(os.environ["RANK"])
+        args.shared_gpu = shared_gpu(args, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
         run_rank(rank, int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", rank)),
                  "env://", args)
         return
@@ -59,15 +60,23 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def spawn_count(args) -> int:
+    """Ranks to spawn; sets args.shared_gpu (CUDA: whether they share cuda:0)."""
+    args.shared_gpu = False
     if args.device == "cpu":
         if args.nproc is not None and args.nproc < 2:
             sys.exit("smfree bench: needs at least 2 ranks")
         return args.nproc or 2
-    gpus = torch.cuda.device_count()
-    nproc = args.nproc or max(2, gpus)
-    if nproc < 2 or gpus < nproc:
-        sys.exit(f"smfree bench: needs {max(2, nproc)} CUDA GPUs (one per rank), found {gpus}")
+    if args.nproc is not None and args.nproc < 2:
+        sys.exit("smfree bench: needs at least 2 ranks")
+    nproc, args.shared_gpu = plan_ranks(args, SECTIONS, torch.cuda.device_count(), args.nproc)
     return nproc
+
+
+def shared_gpu(args, local_ranks: int) -> bool:
+    """Under torchrun: whether this host's ranks share cuda:0 (cli.plan_ranks)."""
+    if args.device == "cpu":
+        return False
+    return plan_ranks(args, SECTIONS, torch.cuda.device_count(), local_ranks)[1]
 
 
 @contextlib.contextmanager
@@ -114,9 +123,9 @@ def _spawned_rank(rank: int, world: int, init_method: str, args: argparse.Namesp
 def run_rank(rank: int, world: int, local_rank: int, init_method: str, args) -> None:
     for key, value in RANK_ENV.items():
         os.environ.setdefault(key, value)
-    device = rank_device(rank, local_rank, world, args.device)
+    device = rank_device(rank, local_rank, world, args.device, args.shared_gpu)
     timeout = timedelta(minutes=args.timeout_min)
-    ctx = setup(rank, world, device, init_method, timeout)
+    ctx = setup(rank, world, device, init_method, timeout, args.shared_gpu)
     report = new_report(ctx, args)
     if rank == 0:
         print_header(report["meta"])
@@ -135,12 +144,15 @@ def run_rank(rank: int, world: int, local_rank: int, init_method: str, args) -> 
     dist.destroy_process_group()
 
 
-def rank_device(rank: int, local_rank: int, world: int, kind: str) -> torch.device:
+def rank_device(rank: int, local_rank: int, world: int, kind: str, shared_gpu: bool
+                ) -> torch.device:
     if kind == "cpu":
         # The ranks share the host's cores: each gets its share, not all of them.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         return torch.device("cpu")
-    if local_rank >= torch.cuda.device_count():
+    if shared_gpu:
+        local_rank = 0
+    elif local_rank >= torch.cuda.device_count():
         raise RuntimeError(f"smfree bench: rank {rank} wants cuda:{local_rank}, but "
                            f"{torch.cuda.device_count()} CUDA devices are visible")
     device = torch.device("cuda", local_rank)
@@ -148,8 +160,12 @@ def rank_device(rank: int, local_rank: int, world: int, kind: str) -> torch.devi
     return device
 
 
-def setup(rank, world, device, init_method, timeout) -> Ctx:
-    if device.type == "cuda":
+def setup(rank, world, device, init_method, timeout, shared_gpu) -> Ctx:
+    if shared_gpu:
+        # NCCL refuses two ranks on one GPU: no reference group, Gloo under smfree's.
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
+                                timeout=timeout)
+    elif device.type == "cuda":
         # device_id binds the default group to this GPU and builds NCCL's communicator now.
         dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world,
                                 timeout=timeout, device_id=device)
@@ -159,13 +175,15 @@ def setup(rank, world, device, init_method, timeout) -> Ctx:
     ranks = list(range(world))
     smfree = dist.new_group(ranks, timeout=timeout, backend="smfree")
     ctrl = dist.new_group(ranks, timeout=timeout, backend="gloo")
-    if device.type == "cuda":
+    if device.type == "cuda" and not shared_gpu:
         # One collective over all ranks first: NCCL wants that before pairs talk alone.
         dist.all_reduce(torch.ones(1, device=device))
         torch.cuda.synchronize()
     devices = [None] * world
     dist.all_gather_object(devices, device.index, group=ctrl)
     peer = rank ^ 1 if (rank ^ 1) < world else None
-    return Ctx(rank, world, device, devices, peer,
-               {"smfree": smfree, REFERENCE[device.type]: dist.group.WORLD}, ctrl,
-               time.monotonic(), timeout.total_seconds())
+    groups = {"smfree": smfree}
+    if not shared_gpu:
+        groups[REFERENCE[device.type]] = dist.group.WORLD
+    return Ctx(rank, world, device, devices, peer, groups, ctrl, time.monotonic(),
+               timeout.total_seconds(), shared_gpu)

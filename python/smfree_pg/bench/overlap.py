@@ -22,6 +22,7 @@ from smfree_pg.bench.sizes import format_size, parse_size
 
 NAME = "overlap"
 DEVICES = ("cuda",)
+PLACEMENTS = ("own",)
 GEMM_WARMUP = 5
 
 

@@ -25,6 +25,7 @@ from smfree_pg.bench.sizes import format_size
 
 NAME = "pipeline"
 DEVICES = ("cuda",)
+PLACEMENTS = ("own",)
 DTYPE = torch.bfloat16
 
 

@@ -40,6 +40,7 @@ from smfree_pg.bench.waits import WaitClock, pipelining_waits, summarize_waits
 
 NAME = "pipelining"
 DEVICES = ("cuda", "cpu")
+PLACEMENTS = ("own",)
 # Schedule name (torch's own) -> (class name, stages per rank, placement of a rank's stages).
 KNOWN_SCHEDULES = {
     "GPipe": ("ScheduleGPipe", 1, "loop"),

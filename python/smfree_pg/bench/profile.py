@@ -21,6 +21,7 @@ from smfree_pg.bench.sizes import format_size, parse_size
 
 NAME = "profile"
 DEVICES = ("cuda",)
+PLACEMENTS = ("own",)
 # Profiler categories (kineto's activity types in the Chrome trace) of what runs on the GPU.
 GPU_KINDS = {"kernel": "kernels", "gpu_memcpy": "memcpy", "gpu_memset": "memset"}
 

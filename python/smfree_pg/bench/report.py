@@ -43,8 +43,10 @@ def new_report(ctx: Ctx, args) -> dict:
     "profile" (per backend, per rank: kernel and memcpy counts by name, trace path), "pipeline"
     (per backend: step time), "pipelining" (rows per stage count, schedule and activation size:
     per backend the step time's spread and the CPU time in wait(), the paired ratio, the loss
-    and gradient comparison) and "roundtrip" (rows per size: per backend µs per round trip, its
-    spread and the CPU time in wait(); the paired ratio). Idle ranks appear as null.
+    and gradient comparison), "roundtrip" (rows per size: per backend µs per round trip, its
+    spread and the CPU time in wait(); the paired ratio) and "shared_gpu" (rows per size:
+    smfree's exchange beside the copy floors, µs, where ranks share a GPU). Idle ranks appear as
+    null.
     """
     cuda = ctx.device.type == "cuda"
     a, b = ctx.devices[:2]
@@ -57,6 +59,8 @@ def new_report(ctx: Ctx, args) -> dict:
         "pairs": [[r, r + 1] for r in range(0, ctx.world - 1, 2)],
         "devices": ctx.devices,
         "device": ctx.device.type,
+        # Every rank on one GPU: smfree alone (NCCL refuses two ranks on one GPU).
+        "shared_gpu": ctx.shared_gpu,
         "reference": ctx.reference,
         "gpu": torch.cuda.get_device_name(ctx.device) if cuda else None,
         "gpus_visible": torch.cuda.device_count(),
@@ -97,7 +101,8 @@ def num(value: float | None, digits: int = 1) -> str:
 
 
 def print_header(meta: dict) -> None:
-    print(f"smfree bench: {meta['gpu'] or 'CPU tensors, against Gloo'} (world size {meta['world_size']}, pairs "
+    shared = ", every rank on it" if meta["shared_gpu"] else ""
+    print(f"smfree bench: {meta['gpu'] or 'CPU tensors, against Gloo'}{shared} (world size {meta['world_size']}, pairs "
           f"{', '.join(f'{a}<->{b}' for a, b in meta['pairs'])}; figures are rank 0's pair)")
     print(f"torch {meta['torch']} (CUDA {meta['cuda']}), NCCL {meta['nccl']}, "
           f"smfree {meta['smfree']}, UCX {meta['ucx'] or 'unknown'}, Python {meta['python']}, "

@@ -25,6 +25,7 @@ from smfree_pg.bench.waits import WaitClock, summarize_waits
 
 NAME = "roundtrip"
 DEVICES = ("cuda", "cpu")
+PLACEMENTS = ("own",)
 # Default round trips per loop: about this many bytes each way, clamped.
 BYTES_PER_LOOP = 1 << 30
 MIN_ITERS, MAX_ITERS = 20, 500
