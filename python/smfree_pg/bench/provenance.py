@@ -51,6 +51,10 @@ def git_commit() -> tuple[str | None, bool | None]:
             return None
         return done.stdout.strip() if done.returncode == 0 else None
 
+    # Only smfree's own checkout: a wheel installed in a venv inside another repository is not.
+    top = git("rev-parse", "--show-toplevel")
+    if top is None or (Path(top) / "python" / "smfree_pg").resolve() != package:
+        return None, None
     commit = git("rev-parse", "HEAD")
     if commit is None:
         return None, None
@@ -99,7 +103,7 @@ def provenance(command: str | None = None) -> dict:
         "command": command or launch_command(),
     }
     reasons = {
-        "commit": "the package is not a git checkout",
+        "commit": "the package does not run from a git checkout of smfree",
         "nccl": "torch has no CUDA here",
         "ucx": "no libucx wheel and no UCX_HOME",
         "driver": "no NVIDIA driver here",
