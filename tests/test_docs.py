@@ -133,7 +133,8 @@ def code_defaults() -> dict[str, str | int]:
     staging = re.search(r"const long staging = [^?]+\? ([^:]+) : (\w+);", config)
     defaults["SMFREE_STAGING_BYTES"] = staging.group(2)
     collectives = (ROOT / "csrc/backend/Collectives.cpp").read_text()
-    defaults["SMFREE_COLLECTIVES"] = re.search(r'kDefaultCollectives = "(\w+)"', collectives).group(1)
+    defaults["SMFREE_COLLECTIVES"] = re.search(r'kDefaultCollectives = "(\w+)"',
+                                               collectives).group(1)
     defaults["SMFREE_COLLECTIVE_MIN_BYTES"] = re.search(
         r"kDefaultMinBytes = ([^;]+);", collectives).group(1)
     return {name: evaluate(value) for name, value in defaults.items()}
@@ -149,7 +150,7 @@ def evaluate(value: str) -> str | int:
 
 
 def stated(text: str, name: str) -> str | int:
-    """A document's default ("16 MiB", "`peer_gpu`", "`10000`¹", "10 ms", "1 s") in the code's units."""
+    """A document's default ("16 MiB", "`peer_gpu`", "`10000`¹", "10 ms") in the code's units."""
     text = text.strip().strip("¹").strip().strip("`")
     number = re.fullmatch(r"(\d+)\s*(KiB|MiB|GiB|ms|s)?", text)
     if not number:

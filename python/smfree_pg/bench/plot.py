@@ -97,9 +97,10 @@ def plot_roundtrip(plt, reports: list[dict], out: Path) -> Path:
         style = ["-", "--", ":", "-."][i % 4]
         for backend in ("smfree", section["reference"]):
             if backend != "smfree" and i > 0:
-                continue  # the reference once: each report measured its own, alike
+                continue  # the reference of the first report only; the ratios are each run's
             medians = [row[backend]["us"]["median"] for row in rows]
-            name = NAMES[backend] + (f" ({label(report)})" if backend == "smfree" else "")
+            name = NAMES[backend] + (f" ({label(report)})" if backend == "smfree" else
+                                     " (the first smfree line's run)")
             times.plot(xs, medians, marker="o" if backend == "smfree" else "s",
                        linestyle=style if backend == "smfree" else "-",
                        color=COLOURS[backend] if i == 0 or backend != "smfree" else None,
@@ -114,8 +115,9 @@ def plot_roundtrip(plt, reports: list[dict], out: Path) -> Path:
     times.set_ylabel("µs per round trip (median of loops)")
     times.set_title("Time per round trip")
     ratios.axhline(1, color="black", linewidth=0.8)
-    ratios.set_ylabel("smfree / NCCL (paired; bars: quartiles)")
-    ratios.set_title("smfree's time over NCCL's (below 1: smfree faster)")
+    reference = NAMES[reports[0]["roundtrip"]["reference"]]
+    ratios.set_ylabel(f"smfree / {reference} (paired; bars: quartiles)")
+    ratios.set_title(f"smfree's time over {reference}'s, each in its run (below 1: smfree faster)")
     for ax in (times, ratios):
         size_axis(ax, sizes)
         ax.legend(fontsize=8)
@@ -153,7 +155,8 @@ def plot_pipelining(plt, reports: list[dict], out: Path) -> Path:
         ax.set_xlabel("activation per micro-batch")
         ax.set_title(f"{stages} stages, {section['rounds']} rounds\n{label(report)}", fontsize=9)
         ax.grid(True, axis="y", alpha=0.3)
-    axes[0][0].set_ylabel("step time, smfree / NCCL (median of rounds; bars: quartiles)")
+    reference = NAMES[reports[0]["pipelining"]["reference"]]
+    axes[0][0].set_ylabel(f"step time, smfree / {reference} (median of rounds; bars: quartiles)")
     axes[0][0].set_ylim(bottom=0.5)
     axes[0][-1].legend(fontsize=8)
     first = reports[0]["pipelining"]
@@ -175,7 +178,8 @@ def gemm_groups(reports: list[dict]) -> list[tuple[str, list[dict]]]:
                            [r for r in section["ranks"] if r]))
         if "captured" in report:
             section = report["captured"]["overlap"]
-            groups.append((f"captured P2P exchange,\n{format_size(section['chunk_bytes'])}, {where}",
+            size = format_size(section["chunk_bytes"])
+            groups.append((f"captured P2P exchange,\n{size}, {where}",
                            section["ranks"]))
         for gemm in report.get("collectives", {}).get("gemm", []):
             groups.append((f"{op_name(gemm['op'])},"
@@ -240,12 +244,13 @@ def plot_collectives(plt, reports: list[dict], out: Path) -> Path:
             xs = [i + (j - (len(sizes) - 1) / 2) * width for i, op in enumerate(ops) if op in found]
             shown = [found[op] for op in ops if op in found]
             ax.bar(xs, [row["paired"]["median"] for row in shown], width,
-                   label=f"{format_size(size)} pieces", color=plt.cm.Greens(0.35 + 0.6 * j / len(sizes)))
+                   label=f"{format_size(size)} pieces",
+                   color=plt.cm.Greens(0.35 + 0.6 * j / len(sizes)))
             # The floor under 64 MiB is bound by one thread's launches: not drawn there.
             floors = [(x, row["floor"]["us"] / row["nccl"]["us"]) for x, row in zip(xs, shown)
                       if row.get("floor") and size >= 64 << 20]
             if floors:
-                ax.scatter(*zip(*floors), marker="_", s=300, color="black", zorder=3,
+                ax.scatter(*zip(*floors), marker="_", s=300, color=COLOURS["floor"], zorder=3,
                            label="copy-engine floor / NCCL" if j == len(sizes) - 1 else None)
         ax.axhline(1, color="tab:blue", linewidth=1, label="NCCL")
         ax.set_xticks(range(len(ops)), [op_name(op) for op in ops], rotation=30, ha="right",
