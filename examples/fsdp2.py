@@ -40,6 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import smfree_pg  # registers backend "smfree"
+from smfree_pg.bench.provenance import provenance
 
 # smfree and what it is compared with, by device.
 BACKENDS = {"cuda": ("smfree", "nccl"), "cpu": ("smfree", "gloo")}
@@ -305,7 +306,8 @@ def report(args, rounds: list[dict], setting: dict) -> None:
               f"{statistics.median(r['ratio'] for r in rounds):.3f}")
     if args.json:
         with open(args.json, "w") as out:
-            json.dump({**setting, "args": vars(args), "rounds": rounds}, out, indent=1)
+            json.dump({"provenance": provenance(), **setting, "args": vars(args), "rounds": rounds},
+                      out, indent=1)
 
 
 def number(value: float | None, digits: int) -> str:

@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 import smfree_pg  # noqa: F401  (registers backend "smfree")
+from smfree_pg.bench.provenance import provenance
 
 from megatron.core import parallel_state
 from megatron.core.full_cuda_graph import FullCudaGraphWrapper
@@ -339,7 +340,8 @@ def report(args: argparse.Namespace, runs: list[dict]) -> None:
     if args.json:
         merged = [run for pair in by_mode.values() for run in pair.values()]
         with open(args.json, "w") as out:
-            json.dump({"args": vars(args), "flops_per_step": flops, "runs": merged,
+            json.dump({"provenance": provenance(), "args": vars(args), "flops_per_step": flops,
+                       "runs": merged,
                        "rounds": runs}, out, indent=1)
 
 

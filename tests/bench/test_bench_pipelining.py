@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from smfree_pg.bench.pipelining import SCHEDULES, compare, stage_indices, summarize
+from smfree_pg.bench.provenance import FIELDS
 from smfree_pg.bench.stats import paired_ratios, slowest, spread
 from smfree_pg.bench.waits import summarize_waits
 
@@ -110,6 +111,14 @@ def test_cpu_run_covers_every_schedule_and_backend(tmp_path):
     assert "Round trip" in done.stdout
     report = json.loads(report_path.read_text())
     assert report["meta"]["device"] == "cpu"
+    # How it was made: every field, or why it is absent (CPU torch: no NCCL, no driver).
+    record = report["provenance"]
+    assert record["settings"]["SMFREE_LOG_LEVEL"] == "info"
+    assert all(name.startswith("SMFREE_") for name in record["settings"])
+    assert "--only" in record["command"] and str(report_path) in record["command"]
+    assert set(record.get("absent", {})) >= {"nccl", "driver"}
+    for field in FIELDS:
+        assert (field in record) != (field in record.get("absent", {})), field
     section = report["pipelining"]
     assert section["reference"] == "gloo"
     cells = {(row["stages"], row["schedule"], row["bytes"]) for row in section["rows"]}

@@ -7,37 +7,25 @@ import os
 import platform
 import socket
 from datetime import datetime, timezone
-from importlib import metadata
 from pathlib import Path
 
 import torch
 
 import smfree_pg
 from smfree_pg.bench.context import Ctx
+from smfree_pg.bench.provenance import nccl_version, provenance, ucx_version
 
 SCHEMA = "smfree-bench/1"
 ENV_PREFIXES = ("SMFREE_", "NCCL_", "UCX_", "TORCH_NCCL_", "TORCH_SYMM_MEM_",
                 "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_MAX_CONNECTIONS", "PYTORCH_CUDA_ALLOC_CONF")
 
 
-def ucx_version() -> str | None:
-    """Where smfree's UCX comes from: the libucx wheel's version, or UCX_HOME."""
-    wheels = sorted(f"{d.metadata['Name']} {d.version}" for d in metadata.distributions()
-                    if (d.metadata["Name"] or "").lower().startswith("libucx"))
-    if wheels:
-        return ", ".join(wheels)
-    return f"UCX_HOME={os.environ['UCX_HOME']}" if "UCX_HOME" in os.environ else None
-
-
-def nccl_version() -> str:
-    version = torch.cuda.nccl.version()
-    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
-
-
 def new_report(ctx: Ctx, args) -> dict:
     """The JSON report before any section ran.
 
-    Top level: "schema", "meta" (device, versions, command, options), then one key per section
+    Top level: "schema", "provenance" (package version and commit, SMFREE_* settings, torch,
+    NCCL, UCX, driver, command: bench/provenance.py), "meta" (device, versions, command,
+    options), then one key per section
     run: "bandwidth" (rows per size: "smfree"/"nccl"/"copy_engine" -> "oneway"/"bidir" ->
     {"us", "GBps", ...}), "overlap" (per rank: GEMM alone and under each backend's traffic),
     "profile" (per backend, per rank: kernel and memcpy counts by name, trace path), "pipeline"
@@ -79,7 +67,7 @@ def new_report(ctx: Ctx, args) -> dict:
         "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)},
         "options": options,
     }
-    return {"schema": SCHEMA, "meta": meta}
+    return {"schema": SCHEMA, "provenance": provenance(args.command), "meta": meta}
 
 
 def write_report(path: str, report: dict) -> None:
