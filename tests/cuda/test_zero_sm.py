@@ -1,13 +1,17 @@
 """Zero SMs: with the default settings (copies within one GPU bounced through a peer GPU, or
 through host memory where there is none), and with them bounced through host memory, every
 same-host CUDA op finishes while a kernel holds every SM of the ranks' GPUs (a copy the driver
-ran as a kernel of its own would wait for the hold to end); on one GPU both ranks share it and
-each holds every SM in its own context's time slices (smfree_pg.bench.starvation): eager, rendezvous and any-source exchanges, exchanges captured in CUDA graphs (batched,
+ran as a kernel of its own would wait for the hold to end): eager, rendezvous and any-source
+exchanges, exchanges captured in CUDA graphs (batched,
 which copy straight into the recv's buffer, and unbatched, through slots; 4 KiB to 256 MiB),
 ops to the rank itself, the collectives on the copy engines (all-gather out of place and in
 place, all-to-all, broadcast; uncaptured and captured). A kernel queued the same way must end only after the hold,
 or the GPUs were not held; a bare copy to host memory must end during it; every op's bytes are
 checked after.
+
+Ranks sharing one GPU cannot show it this way: the GPU time-slices the processes' contexts
+(without CUDA MPS), so a rank's kernel never holds the SMs for good; on one H200 shared by 2
+ranks the control kernel ended during the hold.
 
 With the default hardware queues only: under CUDA_DEVICE_MAX_CONNECTIONS=1 every stream shares
 one queue, which runs a stream memory operation only once every kernel queued before it (on
@@ -33,6 +37,8 @@ def _every_path_held(rank, world):
                       captured_sizes=[4 << 10, 1 << 20, 64 << 20, 256 << 20], hold_ms=600)
 
 
+@pytest.mark.distinct_gpus("the GPU time-slices contexts that share it, so no kernel holds its "
+                           "SMs for good (the control kernel ended during the hold)")
 @pytest.mark.parametrize("local_copies", ["default", "host"])
 def test_every_same_host_op_finishes_while_every_sm_is_held(local_copies):
     # Every collective on the copy engines, whatever its size (the defaults keep some on NCCL).
