@@ -16,9 +16,9 @@
 namespace smfree {
 namespace {
 
-const char* opName(engine::OpKind kind, int peer) {
+const char* opName(engine::OpKind kind, bool fromAnySource) {
   if (kind == engine::OpKind::kSend) return "send";
-  return peer == engine::kAnySource ? "recv from any source" : "recv";
+  return fromAnySource ? "recv from any source" : "recv";
 }
 
 }  // namespace
@@ -71,22 +71,23 @@ void SmFreeBackend::checkOpen(const char* op) const {
 
 c10::intrusive_ptr<c10d::Work> SmFreeBackend::send(std::vector<at::Tensor>& tensors, int dstRank,
                                                    int tag) {
-  return pointToPoint(engine::OpKind::kSend, tensors, dstRank, tag);
+  return pointToPoint(engine::OpKind::kSend, tensors, dstRank, false, tag);
 }
 
 c10::intrusive_ptr<c10d::Work> SmFreeBackend::recv(std::vector<at::Tensor>& tensors, int srcRank,
                                                    int tag) {
-  return pointToPoint(engine::OpKind::kRecv, tensors, srcRank, tag);
+  return pointToPoint(engine::OpKind::kRecv, tensors, srcRank, false, tag);
 }
 
 c10::intrusive_ptr<c10d::Work> SmFreeBackend::recvAnysource(std::vector<at::Tensor>& tensors,
                                                             int tag) {
-  return pointToPoint(engine::OpKind::kRecv, tensors, engine::kAnySource, tag);
+  return pointToPoint(engine::OpKind::kRecv, tensors, engine::kAnySource, true, tag);
 }
 
 c10::intrusive_ptr<c10d::Work> SmFreeBackend::pointToPoint(engine::OpKind kind,
                                                            std::vector<at::Tensor>& tensors,
-                                                           int peer, int tag) {
+                                                           int peer, bool fromAnySource,
+                                                           int tag) {
   c10::intrusive_ptr<SmFreeWork> batch;
   {
     std::lock_guard<std::mutex> lock(coalescingMutex_);
@@ -94,7 +95,7 @@ c10::intrusive_ptr<c10d::Work> SmFreeBackend::pointToPoint(engine::OpKind kind,
   }
   PreparedOp op;
   try {
-    op = prepare(kind, tensors, peer, tag, batch);
+    op = prepare(kind, tensors, peer, fromAnySource, tag, batch);
   } catch (...) {
     if (batch) {
       // None of the batch's ops has been posted: drop them all, so the group can batch again.
@@ -125,10 +126,10 @@ c10::intrusive_ptr<c10d::Work> SmFreeBackend::pointToPoint(engine::OpKind kind,
 
 SmFreeBackend::PreparedOp SmFreeBackend::prepare(engine::OpKind kind,
                                                  std::vector<at::Tensor>& tensors, int peer,
-                                                 int tag,
+                                                 bool fromAnySource, int tag,
                                                  const c10::intrusive_ptr<SmFreeWork>& batch,
                                                  const char* collective) {
-  const char* op = collective ? collective : opName(kind, peer);
+  const char* op = collective ? collective : opName(kind, fromAnySource);
   CallerRelease::drain();
   checkOpen(op);
   at::Tensor& tensor = checkP2PTensor(tensors, op);
@@ -137,11 +138,9 @@ SmFreeBackend::PreparedOp SmFreeBackend::prepare(engine::OpKind kind,
   if (onCuda) {
     bindDevice(tensor, op);
   }
-  if (peer != engine::kAnySource) {
-    checkPeer(peer, getSize(), op);
-  }
   WorkLabel label{kind,       getRank(), peer, tag, static_cast<int64_t>(tensor.nbytes()),
                   groupName_, collective};
+  if (!fromAnySource) checkPeer(label, getSize());
   const auto call = [&] { return label.describe(); };
   const bool toSelf = peer == getRank();
   // Arguments are checked first, so a bad call gets the same error whatever its peer's state.

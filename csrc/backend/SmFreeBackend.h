@@ -112,11 +112,13 @@ class SmFreeBackend final : public c10d::Backend {
     std::vector<PreparedOp> ops;
   };
 
+  // `fromAnySource`: torch's recvAnysource, the one call whose peer may be kAnySource.
   c10::intrusive_ptr<c10d::Work> pointToPoint(engine::OpKind kind, std::vector<at::Tensor>& tensors,
-                                              int peer, int tag);
+                                              int peer, bool fromAnySource, int tag);
   // Checks the call and connects to the peer; `batch`, if set, will also report the op.
   // `collective`: the collective the op is a piece of (its tag is then kCollectiveTag).
-  PreparedOp prepare(engine::OpKind kind, std::vector<at::Tensor>& tensors, int peer, int tag,
+  PreparedOp prepare(engine::OpKind kind, std::vector<at::Tensor>& tensors, int peer,
+                     bool fromAnySource, int tag,
                      const c10::intrusive_ptr<SmFreeWork>& batch,
                      const char* collective = nullptr);
   PreparedOp prepareSelf(const WorkLabel& label, const at::Tensor& tensor,

@@ -78,7 +78,7 @@ c10::intrusive_ptr<c10d::Work> SmFreeBackend::runOnCopyEngines(CollectivePlan pl
       for (Piece& piece : *pieces) {
         std::vector<at::Tensor> tensors{piece.tensor};
         batch.ops.push_back(prepare(isSend ? engine::OpKind::kSend : engine::OpKind::kRecv,
-                                    tensors, piece.peer, engine::kCollectiveTag, reportTo,
+                                    tensors, piece.peer, false, engine::kCollectiveTag, reportTo,
                                     plan.op));
       }
     }

@@ -1,0 +1,74 @@
+"""Every point-to-point call checked before anything is posted: ranks out of the group for every
+op kind. Each misuse gets an error naming it, the rank stays alive, and the next exchange is
+intact."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import run_ranks
+
+
+def _exchange(rank, step):
+    """One exchange between the two ranks; True if each got the other's bytes."""
+    peer = 1 - rank
+    mine = torch.arange(64, dtype=torch.float32) + 1000 * rank + step
+    got = torch.zeros(64)
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, peer),
+                                    dist.P2POp(dist.irecv, got, peer)])
+    for work in works:
+        work.wait()
+    return bool(torch.equal(got, torch.arange(64, dtype=torch.float32) + 1000 * peer + step))
+
+
+def _bad_ranks(rank, world):
+    t = torch.ones(4)
+    send = rf"smfree: send on rank {rank} to invalid rank {{}} \(group '0' of size 2, tag 0, 16 B\)"
+    recv = rf"smfree: recv on rank {rank} from invalid rank {{}} \(group '0' of size 2, tag 0, 16 B\)"
+    any_source = r"; a recv from any source is irecv or recv without a source"
+    calls = {
+        "isend(t, -1)": (lambda: dist.isend(t, -1), send.format(-1)),
+        "isend(t, group_dst=-1)": (lambda: dist.isend(t, group_dst=-1), send.format(-1)),
+        "isend(t, -5)": (lambda: dist.isend(t, -5), send.format(-5)),
+        "isend(t, 2)": (lambda: dist.isend(t, 2), send.format(2)),
+        "send(t, -1)": (lambda: dist.send(t, -1), send.format(-1)),
+        "batch isend -1": (lambda: dist.batch_isend_irecv([dist.P2POp(dist.isend, t, -1)]),
+                           send.format(-1)),
+        "batch isend group_peer=-1": (
+            lambda: dist.batch_isend_irecv([dist.P2POp(dist.isend, t, group_peer=-1)]),
+            send.format(-1)),
+        "irecv(t, -1)": (lambda: dist.irecv(t, -1), recv.format(-1) + any_source),
+        "irecv(t, group_src=-1)": (lambda: dist.irecv(t, group_src=-1),
+                                   recv.format(-1) + any_source),
+        "recv(t, -1)": (lambda: dist.recv(t, -1), recv.format(-1) + any_source),
+        "irecv(t, 2)": (lambda: dist.irecv(t, 2), recv.format(2)),
+        "batch irecv -1": (lambda: dist.batch_isend_irecv([dist.P2POp(dist.irecv, t, -1)]),
+                           recv.format(-1) + any_source),
+    }
+    for name, (call, message) in calls.items():
+        with pytest.raises(ValueError, match=message):
+            call()
+    # A batch with a bad op among good ones posts none of them: the exchange after it is intact.
+    with pytest.raises(ValueError, match=send.format(-1)):
+        dist.batch_isend_irecv([dist.P2POp(dist.irecv, torch.zeros(4), 1 - rank),
+                                dist.P2POp(dist.isend, t, -1)])
+    return [_exchange(rank, step) for step in range(2)]
+
+
+def test_ranks_out_of_the_group_are_value_errors_for_every_op_kind():
+    assert run_ranks(_bad_ranks, 2) == [[True, True]] * 2
+
+
+def _any_source_still_works(rank, world):
+    # The one way to receive from any source: irecv without a source.
+    if rank == 0:
+        got = torch.zeros(4)
+        work = dist.irecv(got)
+        work.wait()
+        return work._source_rank(), got.tolist()
+    dist.isend(torch.full((4,), 7.0), 0).wait()
+    return None
+
+
+def test_recv_without_a_source_still_receives_from_any_source():
+    assert run_ranks(_any_source_still_works, 2)[0] == (1, [7.0] * 4)
