@@ -197,6 +197,20 @@ SmFreeBackend::PreparedOp SmFreeBackend::prepare(engine::OpKind kind,
   // The storage, not the tensor: Megatron frees a sent activation right after isend by
   // swapping its `.data`, which would hand the bytes back to the allocator mid-transfer.
   request.keepalive = std::make_shared<c10::Storage>(tensor.storage());
+  if (isSend) {
+    // FSDP frees a sent parameter's memory by resizing its storage to 0, which a Storage held
+    // does not prevent: the engine asks, as the bytes start moving, whether they are still there.
+    // The storage outlives the question: keepalive holds it until no transport touches it.
+    const c10::StorageImpl* storage = tensor.storage().unsafeGetStorageImpl();
+    request.bufferCheck = [storage, data = storage->data(),
+                           bytes = storage->nbytes()]() -> std::optional<std::string> {
+      if (storage->data() == data && storage->nbytes() == bytes) return std::nullopt;
+      return c10::str("its tensor's storage was freed or resized after the call (", bytes,
+                      " B at ", data, ", now ", storage->nbytes(), " B at ", storage->data(),
+                      ") before its bytes moved; keep a sent tensor's storage until the send's "
+                      "wait() returns");
+    };
+  }
   // The engine's thread drops these callbacks, and with them maybe the Works' last references.
   struct Reports {
     c10::intrusive_ptr<SmFreeWork> work;

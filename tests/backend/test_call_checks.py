@@ -1,6 +1,6 @@
 """Every point-to-point call checked before anything is posted: ranks out of the group for every
-op kind. Each misuse gets an error naming it, the rank stays alive, and the next exchange is
-intact."""
+op kind; a send's storage freed before its bytes moved. Each misuse gets an error naming it, the
+rank stays alive, and the next exchange is intact."""
 
 import pytest
 import torch
@@ -72,3 +72,32 @@ def _any_source_still_works(rank, world):
 
 def test_recv_without_a_source_still_receives_from_any_source():
     assert run_ranks(_any_source_still_works, 2)[0] == (1, [7.0] * 4)
+
+
+def _freed_storage(rank, world):
+    peer = 1 - rank
+    if rank == 0:
+        sent = torch.full((1024,), 3.0)
+        work = dist.isend(sent, peer, tag=1)
+        # As FSDP frees a parameter's memory: before the receiver has posted its recv.
+        sent.untyped_storage().resize_(0)
+        dist.barrier()
+        with pytest.raises(dist.DistBackendError) as raised:
+            work.wait()
+        message = str(raised.value)
+        assert "send on rank 0 to rank 1 (group '0', tag 1" in message, message
+        assert "storage was freed or resized" in message, message
+    else:
+        dist.barrier()
+        got = torch.zeros(1024)
+        with pytest.raises(dist.DistBackendError) as raised:
+            dist.irecv(got, peer, tag=1).wait()
+        message = str(raised.value)
+        assert "recv on rank 1 from rank 0 (group '0', tag 1" in message, message
+        assert "storage was freed or resized" in message, message
+        assert torch.all(got == 0)
+    return [_exchange(rank, step) for step in range(2)]
+
+
+def test_a_send_whose_storage_was_freed_before_its_bytes_moved_fails_both_ends():
+    assert run_ranks(_freed_storage, 2) == [[True, True]] * 2
