@@ -100,7 +100,7 @@ c10::intrusive_ptr<c10d::Work> SmFreeBackend::pointToPoint(engine::OpKind kind,
     if (batch) {
       // None of the batch's ops has been posted: drop them all, so the group can batch again.
       std::lock_guard<std::mutex> lock(coalescingMutex_);
-      batch_.reset();
+      dropBatch();
     }
     throw;
   }
@@ -164,6 +164,12 @@ SmFreeBackend::PreparedOp SmFreeBackend::prepare(engine::OpKind kind,
     C10_THROW_ERROR(DistBackendError, c10::str("smfree: ", call(), " refused: ", *failure));
   }
   if (toSelf) return prepareSelf(label, tensor, batch);
+  // Collectives place their pieces themselves; a user's ops may not overlap a recv's bytes.
+  std::shared_ptr<InFlightSpan> span;
+  if (!collective) {
+    span = inFlight_->add(onCuda ? tensor.device().index() : -1, tensor.data_ptr(),
+                          tensor.nbytes(), label);
+  }
 
   engine::OpRequest request;
   request.kind = kind;
@@ -217,7 +223,9 @@ SmFreeBackend::PreparedOp SmFreeBackend::prepare(engine::OpKind kind,
     c10::intrusive_ptr<SmFreeWork> batch;
   };
   auto reports = CallerRelease::hold(Reports{work, batch});
-  request.onComplete = [reports, cpuWaited](const engine::Status& status, int source) {
+  request.onComplete = [reports, cpuWaited, span](const engine::Status& status, int source) {
+    // First: once wait() returns, the bytes are the caller's to reuse.
+    if (span) span->end();
     const WorkLabel& label = reports->work->label();
     reports->work->onOpDone(status, source, cpuWaited, label);
     if (reports->batch) reports->batch->onOpDone(status, source, cpuWaited, label);
@@ -227,7 +235,11 @@ SmFreeBackend::PreparedOp SmFreeBackend::prepare(engine::OpKind kind,
     request.onMatched = [reports](int source) { reports->work->onMatched(source); };
   }
   if (batch) batch->expectOp(cpuWaited);
-  return PreparedOp{std::move(request), work, cpuWaited, nullptr};
+  if (span && !cpuWaited) {
+    work->addInFlight(span);
+    if (batch) batch->addInFlight(span);
+  }
+  return PreparedOp{std::move(request), work, cpuWaited, nullptr, std::move(span)};
 }
 
 SmFreeBackend::PreparedOp SmFreeBackend::prepareSelf(const WorkLabel& label,
@@ -253,6 +265,7 @@ void SmFreeBackend::post(PreparedOp& op, const c10::intrusive_ptr<SmFreeWork>& b
   try {
     fence = group_->post(std::move(op.request));
   } catch (const engine::Error& error) {
+    if (op.span) op.span->end();
     C10_THROW_ERROR(DistBackendError, error.what());
   }
   TORCH_INTERNAL_ASSERT(fence.has_value() != op.cpuWaited,
@@ -262,6 +275,14 @@ void SmFreeBackend::post(PreparedOp& op, const c10::intrusive_ptr<SmFreeWork>& b
     if (batch) batch->addStreamFence(group_, device, *fence);
   }
   op.work->seal();
+}
+
+void SmFreeBackend::dropBatch() {
+  if (!batch_) return;
+  for (PreparedOp& op : batch_->ops) {
+    if (op.span) op.span->end();
+  }
+  batch_.reset();
 }
 
 void SmFreeBackend::bindDevice(const at::Tensor& tensor, const char* op) {
@@ -317,6 +338,7 @@ void SmFreeBackend::postBatch(Batch& batch) {
           engine::StatusCode::kAborted, c10::str("smfree: not posted: ", error.what()));
       for (size_t j = i; j < batch.ops.size(); ++j) {
         PreparedOp& op = batch.ops[j];
+        if (op.span) op.span->end();
         if (op.self) {
           op.self->work->finish(failure);  // reports to the batch too
           continue;

@@ -85,7 +85,7 @@ c10::intrusive_ptr<c10d::Work> SmFreeBackend::runOnCopyEngines(CollectivePlan pl
   } catch (...) {
     if (block) {
       std::lock_guard<std::mutex> lock(coalescingMutex_);
-      batch_.reset();  // none of the block's ops was posted: it can start again
+      dropBatch();  // none of the block's ops was posted: it can start again
     }
     throw;
   }

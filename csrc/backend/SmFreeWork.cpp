@@ -12,6 +12,7 @@
 
 #include "backend/CallerRelease.h"
 #include "backend/Errors.h"
+#include "backend/InFlight.h"
 #include "backend/WithoutGil.h"
 #include "engine/Error.h"
 
@@ -99,6 +100,12 @@ void SmFreeWork::addWaitedWork(c10::intrusive_ptr<c10d::Work> work) {
   std::lock_guard<std::mutex> lock(stateMutex_);
   TORCH_INTERNAL_ASSERT(!sealed_, "smfree: Work added to a sealed Work");
   waitedWorks_.push_back(std::move(work));
+}
+
+void SmFreeWork::addInFlight(std::shared_ptr<InFlightSpan> span) {
+  std::lock_guard<std::mutex> lock(stateMutex_);
+  TORCH_INTERNAL_ASSERT(!sealed_, "smfree: span added to a sealed Work");
+  inFlight_.push_back(std::move(span));
 }
 
 void SmFreeWork::seal() {
@@ -254,6 +261,7 @@ bool SmFreeWork::wait(std::chrono::milliseconds timeout) {
     std::rethrow_exception(error_);
   }
   waitReturned_ = !finished_;
+  for (const auto& span : inFlight_) span->end();
   return true;
 }
 

@@ -14,6 +14,8 @@
 
 namespace smfree {
 
+class InFlightSpan;
+
 // What a Work is for, kept as parts: formatted only when an error message needs it, so the
 // post path builds no string.
 struct WorkLabel {
@@ -48,6 +50,9 @@ class SmFreeWork final : public c10d::Work {
   // An op that reports here but moves outside the engine (an op to this rank itself): wait()
   // runs its Work's wait() too, which fences the current stream for it.
   void addWaitedWork(c10::intrusive_ptr<c10d::Work> work);
+  // An op with a stream fence holds `span` (InFlight.h) until it ends or wait() returns: from
+  // then on the current stream orders what follows after the op's copy.
+  void addInFlight(std::shared_ptr<InFlightSpan> span);
   void seal();      // no more ops will be added (an op's own Work: it is posted)
   // `op`: the label of the op's own Work, which names it in errors.
   void onOpDone(const engine::Status& status, int source, bool cpuWaited, const WorkLabel& op);
@@ -110,6 +115,7 @@ class SmFreeWork final : public c10d::Work {
   // changes.
   std::vector<StreamFence> fences_;
   std::vector<c10::intrusive_ptr<c10d::Work>> waitedWorks_;  // as fences_
+  std::vector<std::shared_ptr<InFlightSpan>> inFlight_;          // as fences_
 };
 
 }  // namespace smfree

@@ -1,6 +1,8 @@
 """Every point-to-point call checked before anything is posted: ranks out of the group for every
-op kind; a send's storage freed before its bytes moved. Each misuse gets an error naming it, the
-rank stays alive, and the next exchange is intact."""
+op kind, send and recv buffers that overlap, a send's storage freed before its bytes moved. Each
+misuse gets an error naming it, the rank stays alive, and the next exchange is intact."""
+
+import re
 
 import pytest
 import torch
@@ -72,6 +74,89 @@ def _any_source_still_works(rank, world):
 
 def test_recv_without_a_source_still_receives_from_any_source():
     assert run_ranks(_any_source_still_works, 2)[0] == (1, [7.0] * 4)
+
+
+def _overlaps(rank, world):
+    peer = 1 - rank
+    base = torch.zeros(64)
+    recv_op = r"recv on rank {} from rank {} \(group '0', tag 0, {} B\)"
+    send_op = r"send on rank {} to rank {} \(group '0', tag 0, {} B\)"
+    seen = []
+    # The same tensor sent and received in one batch.
+    with pytest.raises(ValueError, match=r"overlap") as raised:
+        dist.batch_isend_irecv([dist.P2POp(dist.isend, base, peer),
+                                dist.P2POp(dist.irecv, base, peer)])
+    message = str(raised.value)
+    assert re.search(recv_op.format(rank, peer, 256), message), message
+    assert re.search(send_op.format(rank, peer, 256), message), message
+    seen.append("same tensor")
+    # Overlapping views of one storage, recv first in the batch.
+    with pytest.raises(ValueError, match=r"overlap"):
+        dist.batch_isend_irecv([dist.P2POp(dist.irecv, base[8:40], peer),
+                                dist.P2POp(dist.isend, base[32:], peer)])
+    seen.append("overlapping views")
+    # Disjoint views of one storage are fine, and so are two sends of the same bytes.
+    assert _exchange(rank, 0)
+    halves = torch.zeros(128)
+    halves[:64] = torch.arange(64, dtype=torch.float32) + 1000 * rank
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, halves[:64], peer),
+                                    dist.P2POp(dist.isend, halves[:64], peer, tag=1),
+                                    dist.P2POp(dist.irecv, halves[64:], peer),
+                                    dist.P2POp(dist.irecv, base, peer, tag=1)])
+    for work in works:
+        work.wait()
+    expected = torch.arange(64, dtype=torch.float32) + 1000 * peer
+    assert torch.equal(halves[64:], expected) and torch.equal(base, expected)
+    seen.append("disjoint and send+send fine")
+    # A recv posted while a send of its bytes is in flight, outside any batch.
+    dist.barrier()
+    if rank == 0:
+        pending = dist.isend(halves[:64], peer, tag=2)  # its recv comes after the barrier
+        with pytest.raises(ValueError, match=r"overlap") as raised:
+            dist.irecv(halves[16:32], peer, tag=3)
+        assert "send on rank 0 to rank 1 (group '0', tag 2, 256 B)" in str(raised.value)
+        assert "recv on rank 0 from rank 1 (group '0', tag 3, 64 B)" in str(raised.value)
+        # A second send of the same bytes is fine.
+        second = dist.isend(halves[:64], peer, tag=4)
+        dist.barrier()
+        pending.wait()
+        second.wait()
+        seen.append("recv over a send in flight")
+    else:
+        dist.barrier()
+        first, second = torch.zeros(64), torch.zeros(64)
+        dist.irecv(first, peer, tag=2).wait()
+        dist.irecv(second, peer, tag=4).wait()
+        assert torch.equal(first, expected) and torch.equal(second, expected)
+        seen.append("recv over a send in flight")
+    # A recv in flight: nothing may overlap it, nor a send.
+    dist.barrier()
+    if rank == 1:
+        pending = dist.irecv(base, peer, tag=5)
+        with pytest.raises(ValueError, match=r"overlap"):
+            dist.isend(base[60:], peer, tag=6)
+        with pytest.raises(ValueError, match=r"overlap"):
+            dist.irecv(base[:1], peer, tag=7)
+        dist.barrier()
+        pending.wait()
+        assert torch.all(base == 5.0)
+        # Once it has ended, its bytes are free again.
+        dist.isend(base[60:], peer, tag=6).wait()
+    else:
+        dist.barrier()
+        dist.isend(torch.full((64,), 5.0), peer, tag=5).wait()
+        got = torch.zeros(4)
+        dist.irecv(got, peer, tag=6).wait()
+        assert torch.all(got == 5.0)
+    seen.append("recv in flight")
+    seen.append([_exchange(rank, step) for step in range(2)])
+    return seen
+
+
+def test_overlapping_send_and_recv_buffers_are_refused_and_post_nothing():
+    expected = ["same tensor", "overlapping views", "disjoint and send+send fine",
+                "recv over a send in flight", "recv in flight", [True, True]]
+    assert run_ranks(_overlaps, 2) == [expected, expected]
 
 
 def _freed_storage(rank, world):
