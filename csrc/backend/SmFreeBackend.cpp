@@ -261,6 +261,7 @@ void SmFreeBackend::post(PreparedOp& op, const c10::intrusive_ptr<SmFreeWork>& b
     return;
   }
   const int device = op.request.buffer.device;
+  const std::chrono::milliseconds timeout = group_->timeout();
   std::optional<engine::CudaFence> fence;
   try {
     fence = group_->post(std::move(op.request));
@@ -268,6 +269,8 @@ void SmFreeBackend::post(PreparedOp& op, const c10::intrusive_ptr<SmFreeWork>& b
     if (op.span) op.span->end();
     C10_THROW_ERROR(DistBackendError, error.what());
   }
+  op.work->onPosted(timeout);
+  if (batch) batch->onPosted(timeout);
   TORCH_INTERNAL_ASSERT(fence.has_value() != op.cpuWaited,
                         "smfree: the engine fenced an op it was not to fence, or the reverse");
   if (fence) {
