@@ -10,6 +10,7 @@ import importlib.util
 import os
 import sys
 
+import torch
 from setuptools import setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
@@ -117,7 +118,20 @@ class Build(BuildExtension.with_options(use_ninja=True)):
             raise SystemExit(problem)
 
 
+def record_torch_version():
+    """python/smfree_pg/_built_with.py: the torch this build binds, which smfree_pg checks before
+    it loads the extension (_registration.check_torch_version)."""
+    path = os.path.join(ROOT, "python", "smfree_pg", "_built_with.py")
+    text = (
+        '"""Written by setup.py: the torch smfree_pg._C was built against."""\n\n'
+        f"TORCH_VERSION = {str(torch.__version__)!r}\n"
+    )
+    with open(path, "w") as out:
+        out.write(text)
+
+
 ucx_include, ucx_lib = ucx_location()
+record_torch_version()
 
 extension = CppExtension(
     name="smfree_pg._C",

@@ -16,9 +16,9 @@
 namespace smfree {
 namespace {
 
-const char* opName(engine::OpKind kind, int peer) {
+const char* opName(engine::OpKind kind, bool fromAnySource) {
   if (kind == engine::OpKind::kSend) return "send";
-  return peer == engine::kAnySource ? "recv from any source" : "recv";
+  return fromAnySource ? "recv from any source" : "recv";
 }
 
 }  // namespace
@@ -71,22 +71,23 @@ void SmFreeBackend::checkOpen(const char* op) const {
 
 c10::intrusive_ptr<c10d::Work> SmFreeBackend::send(std::vector<at::Tensor>& tensors, int dstRank,
                                                    int tag) {
-  return pointToPoint(engine::OpKind::kSend, tensors, dstRank, tag);
+  return pointToPoint(engine::OpKind::kSend, tensors, dstRank, false, tag);
 }
 
 c10::intrusive_ptr<c10d::Work> SmFreeBackend::recv(std::vector<at::Tensor>& tensors, int srcRank,
                                                    int tag) {
-  return pointToPoint(engine::OpKind::kRecv, tensors, srcRank, tag);
+  return pointToPoint(engine::OpKind::kRecv, tensors, srcRank, false, tag);
 }
 
 c10::intrusive_ptr<c10d::Work> SmFreeBackend::recvAnysource(std::vector<at::Tensor>& tensors,
                                                             int tag) {
-  return pointToPoint(engine::OpKind::kRecv, tensors, engine::kAnySource, tag);
+  return pointToPoint(engine::OpKind::kRecv, tensors, engine::kAnySource, true, tag);
 }
 
 c10::intrusive_ptr<c10d::Work> SmFreeBackend::pointToPoint(engine::OpKind kind,
                                                            std::vector<at::Tensor>& tensors,
-                                                           int peer, int tag) {
+                                                           int peer, bool fromAnySource,
+                                                           int tag) {
   c10::intrusive_ptr<SmFreeWork> batch;
   {
     std::lock_guard<std::mutex> lock(coalescingMutex_);
@@ -94,12 +95,12 @@ c10::intrusive_ptr<c10d::Work> SmFreeBackend::pointToPoint(engine::OpKind kind,
   }
   PreparedOp op;
   try {
-    op = prepare(kind, tensors, peer, tag, batch);
+    op = prepare(kind, tensors, peer, fromAnySource, tag, batch);
   } catch (...) {
     if (batch) {
       // None of the batch's ops has been posted: drop them all, so the group can batch again.
       std::lock_guard<std::mutex> lock(coalescingMutex_);
-      batch_.reset();
+      dropBatch();
     }
     throw;
   }
@@ -125,10 +126,10 @@ c10::intrusive_ptr<c10d::Work> SmFreeBackend::pointToPoint(engine::OpKind kind,
 
 SmFreeBackend::PreparedOp SmFreeBackend::prepare(engine::OpKind kind,
                                                  std::vector<at::Tensor>& tensors, int peer,
-                                                 int tag,
+                                                 bool fromAnySource, int tag,
                                                  const c10::intrusive_ptr<SmFreeWork>& batch,
                                                  const char* collective) {
-  const char* op = collective ? collective : opName(kind, peer);
+  const char* op = collective ? collective : opName(kind, fromAnySource);
   CallerRelease::drain();
   checkOpen(op);
   at::Tensor& tensor = checkP2PTensor(tensors, op);
@@ -137,11 +138,9 @@ SmFreeBackend::PreparedOp SmFreeBackend::prepare(engine::OpKind kind,
   if (onCuda) {
     bindDevice(tensor, op);
   }
-  if (peer != engine::kAnySource) {
-    checkPeer(peer, getSize(), op);
-  }
   WorkLabel label{kind,       getRank(), peer, tag, static_cast<int64_t>(tensor.nbytes()),
                   groupName_, collective};
+  if (!fromAnySource) checkPeer(label, getSize());
   const auto call = [&] { return label.describe(); };
   const bool toSelf = peer == getRank();
   // Arguments are checked first, so a bad call gets the same error whatever its peer's state.
@@ -165,6 +164,12 @@ SmFreeBackend::PreparedOp SmFreeBackend::prepare(engine::OpKind kind,
     C10_THROW_ERROR(DistBackendError, c10::str("smfree: ", call(), " refused: ", *failure));
   }
   if (toSelf) return prepareSelf(label, tensor, batch);
+  // Collectives place their pieces themselves; a user's ops may not overlap a recv's bytes.
+  std::shared_ptr<InFlightSpan> span;
+  if (!collective) {
+    span = inFlight_->add(onCuda ? tensor.device().index() : -1, tensor.data_ptr(),
+                          tensor.nbytes(), label);
+  }
 
   engine::OpRequest request;
   request.kind = kind;
@@ -198,13 +203,29 @@ SmFreeBackend::PreparedOp SmFreeBackend::prepare(engine::OpKind kind,
   // The storage, not the tensor: Megatron frees a sent activation right after isend by
   // swapping its `.data`, which would hand the bytes back to the allocator mid-transfer.
   request.keepalive = std::make_shared<c10::Storage>(tensor.storage());
+  if (isSend) {
+    // FSDP frees a sent parameter's memory by resizing its storage to 0, which a Storage held
+    // does not prevent: the engine asks, as the bytes start moving, whether they are still there.
+    // The storage outlives the question: keepalive holds it until no transport touches it.
+    const c10::StorageImpl* storage = tensor.storage().unsafeGetStorageImpl();
+    request.bufferCheck = [storage, data = storage->data(),
+                           bytes = storage->nbytes()]() -> std::optional<std::string> {
+      if (storage->data() == data && storage->nbytes() == bytes) return std::nullopt;
+      return c10::str("its tensor's storage was freed or resized after the call (", bytes,
+                      " B at ", data, ", now ", storage->nbytes(), " B at ", storage->data(),
+                      ") before its bytes moved; keep a sent tensor's storage until the send's "
+                      "wait() returns");
+    };
+  }
   // The engine's thread drops these callbacks, and with them maybe the Works' last references.
   struct Reports {
     c10::intrusive_ptr<SmFreeWork> work;
     c10::intrusive_ptr<SmFreeWork> batch;
   };
   auto reports = CallerRelease::hold(Reports{work, batch});
-  request.onComplete = [reports, cpuWaited](const engine::Status& status, int source) {
+  request.onComplete = [reports, cpuWaited, span](const engine::Status& status, int source) {
+    // First: once wait() returns, the bytes are the caller's to reuse.
+    if (span) span->end();
     const WorkLabel& label = reports->work->label();
     reports->work->onOpDone(status, source, cpuWaited, label);
     if (reports->batch) reports->batch->onOpDone(status, source, cpuWaited, label);
@@ -214,7 +235,11 @@ SmFreeBackend::PreparedOp SmFreeBackend::prepare(engine::OpKind kind,
     request.onMatched = [reports](int source) { reports->work->onMatched(source); };
   }
   if (batch) batch->expectOp(cpuWaited);
-  return PreparedOp{std::move(request), work, cpuWaited, nullptr};
+  if (span && !cpuWaited) {
+    work->addInFlight(span);
+    if (batch) batch->addInFlight(span);
+  }
+  return PreparedOp{std::move(request), work, cpuWaited, nullptr, std::move(span)};
 }
 
 SmFreeBackend::PreparedOp SmFreeBackend::prepareSelf(const WorkLabel& label,
@@ -236,12 +261,16 @@ void SmFreeBackend::post(PreparedOp& op, const c10::intrusive_ptr<SmFreeWork>& b
     return;
   }
   const int device = op.request.buffer.device;
+  const std::chrono::milliseconds timeout = group_->timeout();
   std::optional<engine::CudaFence> fence;
   try {
     fence = group_->post(std::move(op.request));
   } catch (const engine::Error& error) {
+    if (op.span) op.span->end();
     C10_THROW_ERROR(DistBackendError, error.what());
   }
+  op.work->onPosted(timeout);
+  if (batch) batch->onPosted(timeout);
   TORCH_INTERNAL_ASSERT(fence.has_value() != op.cpuWaited,
                         "smfree: the engine fenced an op it was not to fence, or the reverse");
   if (fence) {
@@ -249,6 +278,14 @@ void SmFreeBackend::post(PreparedOp& op, const c10::intrusive_ptr<SmFreeWork>& b
     if (batch) batch->addStreamFence(group_, device, *fence);
   }
   op.work->seal();
+}
+
+void SmFreeBackend::dropBatch() {
+  if (!batch_) return;
+  for (PreparedOp& op : batch_->ops) {
+    if (op.span) op.span->end();
+  }
+  batch_.reset();
 }
 
 void SmFreeBackend::bindDevice(const at::Tensor& tensor, const char* op) {
@@ -304,6 +341,7 @@ void SmFreeBackend::postBatch(Batch& batch) {
           engine::StatusCode::kAborted, c10::str("smfree: not posted: ", error.what()));
       for (size_t j = i; j < batch.ops.size(); ++j) {
         PreparedOp& op = batch.ops[j];
+        if (op.span) op.span->end();
         if (op.self) {
           op.self->work->finish(failure);  // reports to the batch too
           continue;

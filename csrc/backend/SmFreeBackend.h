@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "backend/Collectives.h"
+#include "backend/InFlight.h"
 #include "backend/SelfExchange.h"
 #include "backend/SmFreeWork.h"
 #include "engine/Group.h"
@@ -104,6 +105,7 @@ class SmFreeBackend final : public c10d::Backend {
     c10::intrusive_ptr<SmFreeWork> work;
     bool cpuWaited = true;
     std::shared_ptr<SelfExchange::Op> self;  // instead of the two above, for an op to this rank
+    std::shared_ptr<InFlightSpan> span;  // its bytes in inFlight_: a user's op to another rank
   };
   // The ops called between startCoalescing and endCoalescing. Each is checked when it is
   // called, and all are posted at endCoalescing: a batch with a refused op posts none.
@@ -112,16 +114,20 @@ class SmFreeBackend final : public c10d::Backend {
     std::vector<PreparedOp> ops;
   };
 
+  // `fromAnySource`: torch's recvAnysource, the one call whose peer may be kAnySource.
   c10::intrusive_ptr<c10d::Work> pointToPoint(engine::OpKind kind, std::vector<at::Tensor>& tensors,
-                                              int peer, int tag);
+                                              int peer, bool fromAnySource, int tag);
   // Checks the call and connects to the peer; `batch`, if set, will also report the op.
   // `collective`: the collective the op is a piece of (its tag is then kCollectiveTag).
-  PreparedOp prepare(engine::OpKind kind, std::vector<at::Tensor>& tensors, int peer, int tag,
+  PreparedOp prepare(engine::OpKind kind, std::vector<at::Tensor>& tensors, int peer,
+                     bool fromAnySource, int tag,
                      const c10::intrusive_ptr<SmFreeWork>& batch,
                      const char* collective = nullptr);
   PreparedOp prepareSelf(const WorkLabel& label, const at::Tensor& tensor,
                          const c10::intrusive_ptr<SmFreeWork>& batch);
   void post(PreparedOp& op, const c10::intrusive_ptr<SmFreeWork>& batch);
+  // Drops the coalescing block, none of whose ops was posted (under coalescingMutex_).
+  void dropBatch();
   // Posts a batch's ops, its recvs first and its ops to this rank last, and seals its Work.
   void postBatch(Batch& batch);
   // Whether this call of a collective runs on the copy engines (Collectives.h): SMFREE_COLLECTIVES
@@ -140,6 +146,7 @@ class SmFreeBackend final : public c10d::Backend {
   std::chrono::milliseconds timeout_;
   std::shared_ptr<const std::string> groupName_;  // shared by the labels of its Works
   std::unique_ptr<SelfExchange> selfExchange_;
+  const std::shared_ptr<InFlight> inFlight_ = InFlight::ofProcess();
 
   std::mutex innerMutex_;
   InnerFactory innerFactory_;

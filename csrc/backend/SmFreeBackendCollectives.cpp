@@ -78,14 +78,14 @@ c10::intrusive_ptr<c10d::Work> SmFreeBackend::runOnCopyEngines(CollectivePlan pl
       for (Piece& piece : *pieces) {
         std::vector<at::Tensor> tensors{piece.tensor};
         batch.ops.push_back(prepare(isSend ? engine::OpKind::kSend : engine::OpKind::kRecv,
-                                    tensors, piece.peer, engine::kCollectiveTag, reportTo,
+                                    tensors, piece.peer, false, engine::kCollectiveTag, reportTo,
                                     plan.op));
       }
     }
   } catch (...) {
     if (block) {
       std::lock_guard<std::mutex> lock(coalescingMutex_);
-      batch_.reset();  // none of the block's ops was posted: it can start again
+      dropBatch();  // none of the block's ops was posted: it can start again
     }
     throw;
   }

@@ -12,10 +12,18 @@
 
 #include "backend/CallerRelease.h"
 #include "backend/Errors.h"
+#include "backend/InFlight.h"
 #include "backend/WithoutGil.h"
 #include "engine/Error.h"
 
 namespace smfree {
+namespace {
+
+// How long past an op's group timeout a wait() waits for the engine to have failed it, as
+// engine::Group waits for a copy to be queued: only an engine that stopped progressing takes it.
+constexpr auto kStallMargin = std::chrono::seconds(10);
+
+}  // namespace
 
 std::string WorkLabel::describe() const {
   if (bytes < 0) {
@@ -99,6 +107,22 @@ void SmFreeWork::addWaitedWork(c10::intrusive_ptr<c10d::Work> work) {
   std::lock_guard<std::mutex> lock(stateMutex_);
   TORCH_INTERNAL_ASSERT(!sealed_, "smfree: Work added to a sealed Work");
   waitedWorks_.push_back(std::move(work));
+}
+
+void SmFreeWork::addInFlight(std::shared_ptr<InFlightSpan> span) {
+  std::lock_guard<std::mutex> lock(stateMutex_);
+  TORCH_INTERNAL_ASSERT(!sealed_, "smfree: span added to a sealed Work");
+  inFlight_.push_back(std::move(span));
+}
+
+void SmFreeWork::onPosted(std::chrono::milliseconds groupTimeout) {
+  const auto deadline = std::chrono::steady_clock::now() + groupTimeout + kStallMargin;
+  std::lock_guard<std::mutex> lock(stateMutex_);
+  if (stallDeadline_ == std::chrono::steady_clock::time_point::max() ||
+      deadline > stallDeadline_) {
+    stallDeadline_ = deadline;
+    groupTimeout_ = groupTimeout;
+  }
 }
 
 void SmFreeWork::seal() {
@@ -254,6 +278,7 @@ bool SmFreeWork::wait(std::chrono::milliseconds timeout) {
     std::rethrow_exception(error_);
   }
   waitReturned_ = !finished_;
+  for (const auto& span : inFlight_) span->end();
   return true;
 }
 
@@ -262,10 +287,26 @@ void* SmFreeWork::currentStream(int device) {
   return c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(cuda).native_handle();
 }
 
-void SmFreeWork::waitFinished() {
+template <typename Ready>
+void SmFreeWork::waitUnlessStalled(std::unique_lock<std::mutex>& lock, Ready ready,
+                                   const char* call) {
+  if (stallDeadline_ == std::chrono::steady_clock::time_point::max()) {
+    done_.wait(lock, ready);  // nothing posted to the engine (ops to this rank wait on their own)
+    return;
+  }
+  // Ops carry the group timeout, so this wait ends unless the engine has stopped.
+  if (done_.wait_until(lock, stallDeadline_, ready)) return;
+  throwTimeout(c10::str(
+      "smfree: ", call, " on ", label_.describe(), ": not ended ",
+      std::chrono::duration_cast<std::chrono::milliseconds>(kStallMargin).count(),
+      " ms past its group timeout of ", groupTimeout_.count(),
+      " ms, at which the engine fails an op: the smfree engine stopped progressing (its "
+      "progress thread is blocked, for instance in a callback of a Work's future, or gone)"));
+}
+
+void SmFreeWork::waitFinished(const char* call) {
   std::unique_lock<std::mutex> lock(stateMutex_);
-  // Ops carry the group timeout, so this wait ends.
-  done_.wait(lock, [this] { return finished_; });
+  waitUnlessStalled(lock, [this] { return finished_; }, call);
 }
 
 void SmFreeWork::waitFinishedBy(std::chrono::steady_clock::time_point until,
@@ -297,8 +338,8 @@ void SmFreeWork::queueStagedCopiesInBy(std::chrono::steady_clock::time_point unt
 
 void SmFreeWork::waitCpuWaitedOps() {
   std::unique_lock<std::mutex> lock(stateMutex_);
-  // Ops carry the group timeout, so this wait ends.
-  done_.wait(lock, [this] { return finished_ || (sealed_ && cpuPending_ == 0); });
+  waitUnlessStalled(lock, [this] { return finished_ || (sealed_ && cpuPending_ == 0); },
+                    "wait()");
 }
 
 void SmFreeWork::synchronize() {
@@ -321,7 +362,7 @@ void SmFreeWork::synchronize() {
     C10_THROW_ERROR(DistBackendError,
                     c10::str("smfree: synchronize() on ", label_.describe(), ": ", error.what()));
   }
-  waitFinished();
+  waitFinished("synchronize()");
   std::lock_guard<std::mutex> lock(stateMutex_);
   if (error_) {
     std::rethrow_exception(error_);

@@ -14,6 +14,8 @@
 
 namespace smfree {
 
+class InFlightSpan;
+
 // What a Work is for, kept as parts: formatted only when an error message needs it, so the
 // post path builds no string.
 struct WorkLabel {
@@ -48,6 +50,12 @@ class SmFreeWork final : public c10d::Work {
   // An op that reports here but moves outside the engine (an op to this rank itself): wait()
   // runs its Work's wait() too, which fences the current stream for it.
   void addWaitedWork(c10::intrusive_ptr<c10d::Work> work);
+  // An op with a stream fence holds `span` (InFlight.h) until it ends or wait() returns: from
+  // then on the current stream orders what follows after the op's copy.
+  void addInFlight(std::shared_ptr<InFlightSpan> span);
+  // One of its ops was posted now, with the group timeout `groupTimeout`, at which the engine
+  // fails it: a wait() without a timeout raises if the Work has not finished a margin later.
+  void onPosted(std::chrono::milliseconds groupTimeout);
   void seal();      // no more ops will be added (an op's own Work: it is posted)
   // `op`: the label of the op's own Work, which names it in errors.
   void onOpDone(const engine::Status& status, int source, bool cpuWaited, const WorkLabel& op);
@@ -70,12 +78,17 @@ class SmFreeWork final : public c10d::Work {
   void checkPosted() const;
   // The caller's current stream on `device` (a CUstream).
   static void* currentStream(int device);
-  void waitFinished();
+  // `call` ("wait()", "synchronize()") names the waiting call in errors.
+  void waitFinished(const char* call);
   // Throws the expiry of wait(timeout) if the Work has not finished by `until`.
   void waitFinishedBy(std::chrono::steady_clock::time_point until,
                       std::chrono::milliseconds timeout);
   [[noreturn]] void throwExpired(std::chrono::milliseconds timeout) const;
   void waitCpuWaitedOps();
+  // Waits under `lock` until `ready`; raises past stallDeadline_, which only an engine that
+  // stopped progressing lets come.
+  template <typename Ready>
+  void waitUnlessStalled(std::unique_lock<std::mutex>& lock, Ready ready, const char* call);
 
   struct StreamFence {
     std::shared_ptr<engine::Group> group;
@@ -110,6 +123,11 @@ class SmFreeWork final : public c10d::Work {
   // changes.
   std::vector<StreamFence> fences_;
   std::vector<c10::intrusive_ptr<c10d::Work>> waitedWorks_;  // as fences_
+  std::vector<std::shared_ptr<InFlightSpan>> inFlight_;          // as fences_
+  // Under stateMutex_: the latest post plus its group timeout and a margin; max: none posted.
+  std::chrono::steady_clock::time_point stallDeadline_ =
+      std::chrono::steady_clock::time_point::max();
+  std::chrono::milliseconds groupTimeout_{0};
 };
 
 }  // namespace smfree

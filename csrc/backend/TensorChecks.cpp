@@ -20,9 +20,16 @@ at::Tensor& checkP2PTensor(std::vector<at::Tensor>& tensors, const char* op) {
   return tensor;
 }
 
-void checkPeer(int peer, int size, const char* op) {
-  TORCH_CHECK_VALUE(peer >= 0 && peer < size, "smfree: ", op, " with invalid peer rank ", peer,
-                    " (group of size ", size, ")");
+void checkPeer(const WorkLabel& label, int size) {
+  if (label.peer >= 0 && label.peer < size) return;
+  const bool isSend = label.kind == engine::OpKind::kSend;
+  TORCH_CHECK_VALUE(false, "smfree: ", isSend ? "send" : "recv", " on rank ", label.rank,
+                    isSend ? " to" : " from", " invalid rank ", label.peer, " (group '",
+                    *label.group, "' of size ", size, ", tag ", label.tag, ", ", label.bytes,
+                    " B)",
+                    !isSend && label.peer == engine::kAnySource
+                        ? "; a recv from any source is irecv or recv without a source (src=None)"
+                        : "");
 }
 
 void checkTag(int tag, const char* op) {

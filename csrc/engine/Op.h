@@ -44,6 +44,9 @@ struct OpRequest {
   Buffer buffer;
   TensorDesc desc;
   std::shared_ptr<void> keepalive;  // the caller's memory, held until no transport touches it
+  // Sends, optional: why the caller's memory no longer holds the call's bytes (freed or resized
+  // since), or nothing; asked on the progress thread as the bytes start moving, before kReleased.
+  std::function<std::optional<std::string>()> bufferCheck;
   OpCallback onComplete;
   // Recvs from any source: runs on the progress thread with the sender's rank once the op has
   // matched a send, before any of its bytes move.

@@ -394,6 +394,9 @@ void Rendezvous::onClearToSend(const ClearToSend& message) {
   }
   transition(send, OpState::kMoving);
   try {
+    if (const auto gone = send->request.bufferCheck ? send->request.bufferCheck() : std::nullopt) {
+      throw Error(concat(send->describe(), " failed: ", *gone));
+    }
     channels_.of(*send).startSend(send, *receiver, message.channelData);
   } catch (const Error& error) {
     failOp(send, StatusCode::kTransport, error.what());

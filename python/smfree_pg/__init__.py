@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from smfree_pg._registration import BACKEND_NAME, register
+from smfree_pg._registration import BACKEND_NAME, extension, register
 
 __version__ = "0.1.0"
 __all__ = ["BACKEND_NAME", "register", "dump_pending"]
@@ -19,8 +19,7 @@ register()
 
 def dump_pending(group: dist.ProcessGroup | None = None) -> str:
     """The point-to-point ops of `group` (default: WORLD) that have not finished, one per line."""
-    from smfree_pg import _C
-
+    _C = extension()
     group = group if group is not None else dist.group.WORLD
     for device in ("cpu", "cuda"):
         try:

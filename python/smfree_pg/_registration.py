@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import threading
 
+import torch
 import torch.distributed as dist
 from torch.distributed import Backend, PrefixStore
 
@@ -12,6 +13,38 @@ BACKEND_NAME = "smfree"
 
 _lock = threading.Lock()
 _atexit_registered = False
+
+REBUILD = "`pip install --no-build-isolation -e .` (or `make install`) in smfree's source folder"
+
+
+def check_torch_version(built: str | None, running: str) -> str | None:
+    """Why an extension built against torch `built` cannot run in torch `running`; None if it can.
+
+    The extension binds torch's C++ classes (c10d::Backend), whose layout is that of the torch it
+    was compiled against; under another torch it fails to load with a message naming neither.
+    """
+    if built == running:
+        return None
+    if built is None:
+        return (f"smfree: smfree_pg._C records no torch version (it was built before smfree "
+                f"recorded one); this process runs torch {running}. Rebuild it: {REBUILD}")
+    return (f"smfree: smfree_pg._C was built against torch {built}, but this process runs torch "
+            f"{running}; an extension binds the torch it was compiled against. Rebuild it "
+            f"against this torch: {REBUILD}")
+
+
+def extension():
+    """smfree_pg._C, once it is known to be built against the running torch."""
+    try:
+        from smfree_pg._built_with import TORCH_VERSION as built
+    except ImportError:
+        built = None
+    problem = check_torch_version(built, torch.__version__)
+    if problem:
+        raise ImportError(problem)
+    from smfree_pg import _C
+
+    return _C
 
 
 def register() -> None:
@@ -91,7 +124,7 @@ def _inner_factory(store, rank: int, size: int, timeout, group_name: str, global
 
 
 def _create_backend(dist_options, backend_options):
-    from smfree_pg import _C
+    _C = extension()
 
     global _atexit_registered
     with _lock:

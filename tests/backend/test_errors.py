@@ -17,8 +17,10 @@ def _bad_arguments(rank, world):
     backend = _backend()
     t = torch.zeros(4)
     checks = {
-        "invalid peer": (lambda: backend.send([t], 7, 0), r"invalid peer rank 7 \(group of size 2\)"),
-        "negative peer": (lambda: backend.recv([t], -3, 0), r"invalid peer rank -3"),
+        "invalid peer": (lambda: backend.send([t], 7, 0),
+                         r"send on rank \d to invalid rank 7 \(group '0' of size 2, tag 0, 16 B\)"),
+        "negative peer": (lambda: backend.recv([t], -3, 0),
+                          r"recv on rank \d from invalid rank -3 \(group '0' of size 2"),
         "non-contiguous": (lambda: backend.send([torch.zeros(4, 4).t()], 1 - rank, 0),
                            r"needs a contiguous tensor"),
         "sparse": (lambda: backend.send([torch.eye(3).to_sparse()], 1 - rank, 0),

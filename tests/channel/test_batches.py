@@ -27,7 +27,7 @@ def test_empty_batch_gets_a_completed_work(channel):
 def _batch_with_a_refused_op(rank, world):
     dev = rank_device(rank)
     peer = 1 - rank
-    with pytest.raises(ValueError, match="invalid peer rank 7"):
+    with pytest.raises(ValueError, match="from invalid rank 7"):
         dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.full((4,), 99.0, device=dev), peer),
                                 dist.P2POp(dist.irecv, torch.zeros(4, device=dev), 7)])
     # Had the refused batch's send been posted, this recv would take its 99s.
