@@ -79,17 +79,17 @@ std::string firstLine(const char* path) {
 // Why pidfd_getfd gave EPERM, and the fix: it needs ptrace access to the owner.
 std::string refusedBecause() {
   const std::string scope = firstLine("/proc/sys/kernel/yama/ptrace_scope");
-  const std::string yama =
-      scope.empty() ? "this kernel has no Yama ptrace restriction, so the peer runs as another "
-                      "user, or a seccomp profile or missing capability blocks it"
-                    : concat("kernel.yama.ptrace_scope is ", scope,
-                             " here (1 allows it only over descendants, so not between sibling "
-                             "ranks)");
+  const std::string why =
+      scope.empty()
+          ? "this kernel has no Yama restriction, so the peer runs as another user, or a "
+            "seccomp profile or a missing capability blocks it; fix: run the ranks as one user, "
+          : concat("kernel.yama.ptrace_scope is ", scope, " here (1 allows it only over "
+                   "descendants, not between sibling ranks); fix: sysctl -w "
+                   "kernel.yama.ptrace_scope=0, ");
   return concat("pidfd_getfd was refused (EPERM): taking a peer's segment needs ptrace access to "
-                "its process, and ", yama, "; fix: run the ranks as one user with "
-                "kernel.yama.ptrace_scope=0 (sysctl -w kernel.yama.ptrace_scope=0), or grant "
-                "them CAP_SYS_PTRACE (in a container: --cap-add SYS_PTRACE), or move same-host "
-                "CUDA tensors over UCX (SMFREE_TRANSPORT=ucx, slower)");
+                "its process, and ", why, "or grant the ranks CAP_SYS_PTRACE (in a container: "
+                "--cap-add SYS_PTRACE), or move same-host CUDA tensors over UCX "
+                "(SMFREE_TRANSPORT=ucx, slower)");
 }
 
 std::string kernelRelease() {
