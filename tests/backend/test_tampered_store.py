@@ -1,7 +1,7 @@
 """What a rank publishes in the store is checked before use: a value that is garbage, from
-another version, damaged, with a bad pid, a length out of bounds or trailing bytes fails the peer's connect with an error naming the
-rank and the store key, before UCX reads the worker address in it; no rank dies, and once the
-value is good again the two ranks exchange."""
+another version, damaged, with a bad pid, a length out of bounds or trailing bytes fails the
+peer's connect with an error naming the rank and the store key, before UCX reads the worker
+address in it; no rank dies, and once the value is good again the two ranks exchange."""
 
 import re
 import struct
