@@ -62,7 +62,7 @@ Engine::Engine(Private)
   auto ucx =
       std::make_unique<UcxChannel>(*ucx_, *worker_, *cudaOps_, thread_, config_, spin_, onDone);
   local_ = PeerAddress::local(worker_->address(), ucx->receiveAddress(),
-                              cudaOps_->flags().path());
+                              cudaOps_->flags().ref());
   auto copyEngine = std::make_unique<CopyEngineChannel>(
       *cudaOps_, thread_, local_.processKey, config_.ipcCacheSize, config_.stagingBytes,
       config_.eagerBytes,

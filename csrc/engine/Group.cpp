@@ -73,7 +73,15 @@ void Group::connect(int rank) {
          "' for the first time: reading its address from the group's store failed (is the "
          "store's host down?): ", error.what());
   }
-  const PeerAddress address = PeerAddress::decode(published);
+  PeerAddress address;
+  try {
+    address = PeerAddress::decode(published);
+  } catch (const Error& error) {
+    // A stale value from another build, one damaged or overwritten in the store: refused here,
+    // before UCX reads the worker address in it, and read again at the next connect.
+    fail("cannot reach rank ", rank, " of group '", config_->name, "': the address it published "
+         "in the group's store under '", addressKey(rank), "' is unusable: ", reasonOf(error));
+  }
   const PeerRoute route = engine_->connect(id_, rank, address, timeout());
   stagesCuda_[rank] = route.stagedThroughHost;
   {

@@ -3,31 +3,12 @@
 #include <chrono>
 #include <memory>
 #include <string>
-#include <vector>
 
+#include "engine/PeerAddress.h"
 #include "engine/ProcessWatch.h"
 #include "engine/transports/ucx/UcxEndpoint.h"
 
 namespace smfree::engine {
-
-// What a process publishes about itself in each group's store.
-struct PeerAddress {
-  std::string processKey;  // unique per engine instance
-  std::string hostKey;     // equal for processes that share a kernel and PID namespace
-  std::string hostname;
-  int pid = 0;
-  std::string flagSegment;  // where same-host peers map this process's CUDA flags
-  std::vector<uint8_t> workerAddress;         // the engine's: control messages, sends
-  std::vector<uint8_t> receiveWorkerAddress;  // its receive lane's: where data is sent
-
-  std::vector<uint8_t> encode() const;
-  static PeerAddress decode(const std::vector<uint8_t>& bytes);
-  static PeerAddress local(std::vector<uint8_t> workerAddress,
-                           std::vector<uint8_t> receiveWorkerAddress, std::string flagSegment);
-};
-
-// Where a group's rank publishes its PeerAddress in the group's store.
-std::string addressKey(int rank);
 
 // A remote process, shared by every group that reaches it.
 struct Peer {

@@ -1,6 +1,9 @@
 // Eager lanes' bookkeeping that needs no GPU: where message n of a lane goes, that a slot's
 // word only grows from one use to the next, and that one side alone claims a recv's copy out.
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <cstdint>
 #include <set>
@@ -71,7 +74,10 @@ namespace {
 struct WayWord {
   cuda::FlagSegment segment;
   cuda::Flag way = segment.acquire();
-  cuda::RemoteFlagSegment remote{segment.path()};
+  // Taken as a peer takes it, through a pidfd of its owner: this process.
+  int ownerPidfd = static_cast<int>(syscall(SYS_pidfd_open, getpid(), 0));
+  cuda::RemoteFlagSegment remote{ownerPidfd, segment.ref(), "this process"};
+  ~WayWord() { close(ownerPidfd); }
   volatile uint32_t* receiver() { return segment.word(way); }
   volatile uint32_t* sender() { return remote.word(way); }
 };

@@ -2,13 +2,23 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/utsname.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
+#include <fstream>
+#include <random>
 
 #include "engine/Error.h"
 #include "engine/cuda/CudaDriver.h"
+#include "engine/cuda/IpcExport.h"
+
+#ifndef SYS_pidfd_getfd
+#define SYS_pidfd_getfd 438
+#endif
 
 namespace smfree::engine::cuda {
 namespace {
@@ -16,6 +26,19 @@ namespace {
 constexpr size_t kBytes = FlagSegment::kWords * sizeof(uint32_t);
 // The words and the tail after them: one mapping per process, of which CUDA registers the words.
 constexpr size_t kFileBytes = kBytes + FlagSegment::kTailBytes;
+// Against shrink (SIGBUS in whoever touches a lost page) and grow; and no seal can be lifted.
+constexpr int kSeals = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL;
+constexpr const char* kNamePrefix = "smfree-flags-";
+
+// Unique per segment: a taker that reached another process (a reused pid) or another fd finds
+// another name there.
+std::string uniqueName() {
+  std::random_device random;
+  const uint64_t nonce = (uint64_t{random()} << 32) | random();
+  char hex[17];
+  std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(nonce));
+  return concat(kNamePrefix, getpid(), "-", hex);
+}
 
 volatile uint32_t* mapWords(int fd, const std::string& what) {
   void* address = mmap(nullptr, kFileBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
@@ -42,6 +65,85 @@ void raise(volatile uint32_t* word, uint32_t value) {
   }
 }
 
+std::string cannotTake(const std::string& owner) {
+  return concat("cannot take the flag segment of its peer process (", owner, "): ");
+}
+
+std::string firstLine(const char* path) {
+  std::ifstream in(path);
+  std::string line;
+  std::getline(in, line);
+  return line;
+}
+
+// Why pidfd_getfd gave EPERM, and the fix: it needs ptrace access to the owner.
+std::string refusedBecause() {
+  const std::string scope = firstLine("/proc/sys/kernel/yama/ptrace_scope");
+  const std::string why =
+      scope.empty()
+          ? "this kernel has no Yama restriction, so the peer runs as another user, or a "
+            "seccomp profile or a missing capability blocks it; fix: run the ranks as one user, "
+          : concat("kernel.yama.ptrace_scope is ", scope, " here (1 allows it only over "
+                   "descendants, not between sibling ranks); fix: sysctl -w "
+                   "kernel.yama.ptrace_scope=0, ");
+  return concat("pidfd_getfd was refused (EPERM): taking a peer's segment needs ptrace access to "
+                "its process, and ", why, "or grant the ranks CAP_SYS_PTRACE (in a container: "
+                "--cap-add SYS_PTRACE), or move same-host CUDA tensors over UCX "
+                "(SMFREE_TRANSPORT=ucx, slower)");
+}
+
+std::string kernelRelease() {
+  utsname name{};
+  return uname(&name) == 0 ? name.release : "unknown";
+}
+
+// The owner's segment, duplicated into this process through the owner's pidfd.
+OwnedFd takeSegment(int ownerPidfd, const FlagSegmentRef& published, const std::string& owner) {
+  if (ownerPidfd < 0) {
+    fail(cannotTake(owner), "there is no pidfd for it (pidfd_open needs Linux 5.3+, this "
+         "kernel is ", kernelRelease(), ", and seccomp must allow it)");
+  }
+  const long fd = syscall(SYS_pidfd_getfd, ownerPidfd, published.fd, 0);
+  if (fd >= 0) return OwnedFd(static_cast<int>(fd));
+  const int error = errno;
+  switch (error) {
+    case EPERM:
+      fail(cannotTake(owner), refusedBecause());
+    case ENOSYS:
+      fail(cannotTake(owner), "pidfd_getfd is unavailable (ENOSYS): it needs Linux 5.6+, this "
+           "kernel is ", kernelRelease(), "; same-host CUDA transfers need it (or set "
+           "SMFREE_TRANSPORT=ucx)");
+    case ESRCH:
+      fail(cannotTake(owner), "the process exited");
+    case EBADF:
+      fail(cannotTake(owner), "it has no fd ", published.fd, ", where it published its segment");
+    default:
+      fail(cannotTake(owner), "pidfd_getfd failed: ", std::strerror(error));
+  }
+}
+
+// That the fd taken is the segment published: its memfd (by its unique name), sealed, whole.
+void checkSegment(int fd, const FlagSegmentRef& published, const std::string& owner) {
+  char link[512] = {};
+  const std::string self = concat("/proc/self/fd/", fd);
+  const ssize_t length = readlink(self.c_str(), link, sizeof(link) - 1);
+  const std::string found = length > 0 ? std::string(link, static_cast<size_t>(length)) : "";
+  const std::string expected = concat("/memfd:", published.name, " (deleted)");
+  if (found != expected) {
+    fail(cannotTake(owner), "its fd ", published.fd, " is '", found, "', not its flag segment '",
+         expected, "' (a stale or altered address in the store, or another process at its pid)");
+  }
+  const int seals = fcntl(fd, F_GET_SEALS);
+  if (seals < 0 || (seals & kSeals) != kSeals) {
+    fail(cannotTake(owner), "its segment is not sealed against shrink and grow (seals ",
+         seals, ", expected ", kSeals, ")");
+  }
+  struct stat status {};
+  if (fstat(fd, &status) != 0 || static_cast<size_t>(status.st_size) != kFileBytes) {
+    fail(cannotTake(owner), "its segment holds ", status.st_size, " bytes, not ", kFileBytes);
+  }
+}
+
 }  // namespace
 
 bool reached(uint32_t word, uint32_t value) {
@@ -50,13 +152,16 @@ bool reached(uint32_t word, uint32_t value) {
 }
 
 FlagSegment::FlagSegment() {
-  fd_ = memfd_create("smfree-flags", MFD_CLOEXEC);
+  ref_.name = uniqueName();
+  ref_.fd = memfd_create(ref_.name.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (ref_.fd < 0) fail("cannot create the flag segment: ", std::strerror(errno));
   // The tail costs no memory until a page of it is touched.
-  if (fd_ < 0 || ftruncate(fd_, kFileBytes) != 0) {
-    fail("cannot create the flag segment: ", std::strerror(errno));
+  if (ftruncate(ref_.fd, kFileBytes) != 0 || fcntl(ref_.fd, F_ADD_SEALS, kSeals) != 0) {
+    const int error = errno;
+    close(ref_.fd);
+    fail("cannot size and seal the flag segment: ", std::strerror(error));
   }
-  words_ = mapWords(fd_, "the flag segment");
-  path_ = concat("/proc/", getpid(), "/fd/", fd_);
+  words_ = mapWords(ref_.fd, "the flag segment");
   free_.reserve(kWords);
   for (uint32_t i = kWords; i > 0; --i) free_.push_back(i - 1);
   generation_.assign(kWords, 0);
@@ -67,7 +172,7 @@ FlagSegment::~FlagSegment() {
     driver().cuMemHostUnregister(const_cast<uint32_t*>(words_));
   }
   munmap(const_cast<uint32_t*>(words_), kFileBytes);
-  close(fd_);
+  close(ref_.fd);
 }
 
 Flag FlagSegment::acquire(uint32_t span) {
@@ -116,14 +221,11 @@ void* FlagSegment::cudaAddress(uint32_t index) {
   return const_cast<uint32_t*>(words_ + index);
 }
 
-RemoteFlagSegment::RemoteFlagSegment(const std::string& path) {
-  const int fd = open(path.c_str(), O_RDWR | O_CLOEXEC);
-  if (fd < 0) {
-    fail("cannot open a peer's flag segment ", path, ": ", std::strerror(errno),
-         " (same-host CUDA transfers need access to the peer's /proc/<pid>/fd)");
-  }
-  words_ = mapWords(fd, path);
-  close(fd);
+RemoteFlagSegment::RemoteFlagSegment(int ownerPidfd, const FlagSegmentRef& published,
+                                     const std::string& owner) {
+  const OwnedFd taken = takeSegment(ownerPidfd, published, owner);
+  checkSegment(taken.get(), published, owner);
+  words_ = mapWords(taken.get(), concat("the flag segment of ", owner));
 }
 
 RemoteFlagSegment::~RemoteFlagSegment() {

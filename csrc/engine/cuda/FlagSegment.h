@@ -17,9 +17,19 @@ struct Flag {
   Flag plus(uint32_t step) const { return Flag{index, value + step}; }
 };
 
+// What a process publishes for same-host peers to take its flag segment: the fd it holds the
+// segment at, and the segment's memfd name, unique to the segment, by which a taker tells it
+// from any other file.
+struct FlagSegmentRef {
+  std::string name;
+  int fd = -1;
+};
+
 // Shared host memory holding this process's signal words. CUDA streams (ours and the
 // peers') write and wait on them with stream memory operations; progress threads read them.
-// Peers map it through /proc/<pid>/fd/<fd>, so it disappears with the process.
+// A memfd sealed against shrink and grow once sized: no process can cut the mapping short
+// under its owner or its peers (a shrunk file kills whoever touches its lost pages with
+// SIGBUS). Peers take it with pidfd_getfd, so it disappears with the processes holding it.
 class FlagSegment {
  public:
   static constexpr uint32_t kWords = 16384;
@@ -32,8 +42,8 @@ class FlagSegment {
   FlagSegment(const FlagSegment&) = delete;
   FlagSegment& operator=(const FlagSegment&) = delete;
 
-  // Where peers open it: "/proc/<pid>/fd/<fd>".
-  const std::string& path() const { return path_; }
+  // What peers take it by.
+  const FlagSegmentRef& ref() const { return ref_; }
 
   // Thread-safe. Throws when every word is in use. The use owns `span` values from the one
   // returned: a word can then say which of several things happened.
@@ -59,8 +69,7 @@ class FlagSegment {
   }
 
  private:
-  int fd_ = -1;
-  std::string path_;
+  FlagSegmentRef ref_;
   volatile uint32_t* words_ = nullptr;
   std::mutex mutex_;
   std::vector<uint32_t> free_;
@@ -87,7 +96,11 @@ class OwnedFlag {
 // A peer's flag segment, mapped into this process.
 class RemoteFlagSegment {
  public:
-  explicit RemoteFlagSegment(const std::string& path);
+  // Takes the segment its owner published through a pidfd of the owner (pidfd_getfd), never
+  // through a path: neither a reused pid nor a changed store can redirect it to another file.
+  // Checks that what it took is that memfd, sealed, of the segment's size, before mapping it.
+  // `owner` names the owner in errors ("pid 123 on host node7").
+  RemoteFlagSegment(int ownerPidfd, const FlagSegmentRef& published, const std::string& owner);
   ~RemoteFlagSegment();
   RemoteFlagSegment(const RemoteFlagSegment&) = delete;
   RemoteFlagSegment& operator=(const RemoteFlagSegment&) = delete;

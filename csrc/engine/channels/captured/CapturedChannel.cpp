@@ -55,7 +55,10 @@ std::string CapturedChannel::announce(const Op& send) {
 
 std::shared_ptr<cuda::RemoteFlagSegment> CapturedChannel::wordsOf(const Peer& peer) {
   auto& words = peerWords_[peer.address.processKey];
-  if (!words) words = std::make_shared<cuda::RemoteFlagSegment>(peer.address.flagSegment);
+  if (!words) {
+    words = std::make_shared<cuda::RemoteFlagSegment>(
+        peer.watch ? peer.watch->fd() : -1, peer.address.flagSegment, peer.describe());
+  }
   return words;
 }
 

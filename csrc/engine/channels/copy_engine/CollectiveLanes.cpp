@@ -25,8 +25,8 @@ CollectiveLanes::Peer& CollectiveLanes::peerFor(const PostOptions& options) {
   std::lock_guard<std::mutex> lock(mutex_);
   Peer& peer = peers_[options.peerKey];
   if (!peer.words) {
-    peer.words = &peerWords_(options.peerKey, options.peer->flagSegment);
     peer.watch = std::make_unique<ProcessWatch>(options.peer->pid);
+    peer.words = &peerWords_(options.peerKey, *options.peer, peer.watch->fd());
   }
   return peer;
 }

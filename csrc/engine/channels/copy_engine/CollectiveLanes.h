@@ -73,9 +73,10 @@ struct PieceWords {
 
 class CollectiveLanes {
  public:
-  // The peer's flag segment mapped in this process (the channel's, shared by every thread).
-  using PeerWords =
-      std::function<cuda::RemoteFlagSegment&(const std::string& key, const std::string& path)>;
+  // The peer's flag segment mapped in this process (the channel's, shared by every thread),
+  // taken through `ownerPidfd` on first use.
+  using PeerWords = std::function<cuda::RemoteFlagSegment&(
+      const std::string& key, const PeerAddress& address, int ownerPidfd)>;
 
   // `localKey`: this process's key, which names its lines in its receivers' files.
   CollectiveLanes(cuda::FlagSegment& flags, std::string localKey, size_t ipcCacheSize,

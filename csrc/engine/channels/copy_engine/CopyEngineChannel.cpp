@@ -28,22 +28,26 @@ CopyEngineChannel::CopyEngineChannel(CudaOps& cudaOps, const ProgressThread& thr
       release_(std::move(release)),
       lanes_(cudaOps.flags(), ringMemory_, eagerBytes),
       collectiveLanes_(cudaOps.flags(), std::move(processKey), ipcCacheSize,
-              [this](const std::string& key, const std::string& path) -> cuda::RemoteFlagSegment& {
-                return flagsOf(key, path);
+              [this](const std::string& key, const PeerAddress& address,
+                     int ownerPidfd) -> cuda::RemoteFlagSegment& {
+                return flagsOf(key, address, ownerPidfd);
               }),
       lanesForCollectives_(collectiveLanes) {}
 
 bool CopyEngineChannel::reaches(const Peer& peer) const { return peer.sameHost; }
 
 cuda::RemoteFlagSegment& CopyEngineChannel::flagsOf(const Peer& peer) {
-  return flagsOf(peer.address.processKey, peer.address.flagSegment);
+  return flagsOf(peer.address.processKey, peer.address, peer.watch ? peer.watch->fd() : -1);
 }
 
 cuda::RemoteFlagSegment& CopyEngineChannel::flagsOf(const std::string& key,
-                                                    const std::string& path) {
+                                                    const PeerAddress& address, int ownerPidfd) {
   std::lock_guard<std::mutex> lock(peerFlagsMutex_);
   auto& flags = peerFlags_[key];
-  if (!flags) flags = std::make_unique<cuda::RemoteFlagSegment>(path);
+  if (!flags) {
+    flags = std::make_unique<cuda::RemoteFlagSegment>(
+        ownerPidfd, address.flagSegment, address.describe());
+  }
   return *flags;
 }
 

@@ -151,7 +151,8 @@ class CopyEngineChannel final : public Channel {
   bool stageable(uint64_t bytes) const;
   // The peer's flag segment, mapped on first use (any thread).
   cuda::RemoteFlagSegment& flagsOf(const Peer& peer);
-  cuda::RemoteFlagSegment& flagsOf(const std::string& key, const std::string& path);
+  cuda::RemoteFlagSegment& flagsOf(const std::string& key, const PeerAddress& address,
+                                   int ownerPidfd);
   std::shared_ptr<StagingRing> ringFor(const Peer& source, int device);
   static LaneKey laneOf(const Op& op, const std::string& peerKey);
 
