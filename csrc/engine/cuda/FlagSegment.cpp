@@ -1,6 +1,7 @@
 #include "engine/cuda/FlagSegment.h"
 
 #include <fcntl.h>
+#include <poll.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -13,6 +14,7 @@
 #include <random>
 
 #include "engine/Error.h"
+#include "engine/Log.h"
 #include "engine/cuda/CudaDriver.h"
 #include "engine/cuda/IpcExport.h"
 
@@ -97,6 +99,42 @@ std::string kernelRelease() {
   return uname(&name) == 0 ? name.release : "unknown";
 }
 
+// The pid behind a pidfd, as the kernel reports it (never one read from the store).
+int pidOf(int pidfd) {
+  std::ifstream in(concat("/proc/self/fdinfo/", pidfd));
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("Pid:", 0) == 0) return std::atoi(line.c_str() + 4);
+  }
+  return -1;
+}
+
+bool exited(int pidfd) {
+  pollfd watched{pidfd, POLLIN, 0};
+  return poll(&watched, 1, 0) != 0;
+}
+
+// Where pidfd_getfd needs ptrace attach rights that the host withholds (Yama's ptrace_scope=1,
+// Ubuntu's default, allows attaching only to descendants), /proc/<pid>/fd/<n> needs only read
+// rights. The pid is the pidfd's, and the pidfd still names a live process after the open, so a
+// reused pid or an altered store reaches no other file than pidfd_getfd would; the caller's
+// checks of name, seals and size follow either way.
+OwnedFd openThroughProc(int ownerPidfd, const FlagSegmentRef& published,
+                        const std::string& owner) {
+  const int pid = pidOf(ownerPidfd);
+  const std::string path = concat("/proc/", pid, "/fd/", published.fd);
+  const int fd = pid > 0 ? open(path.c_str(), O_RDWR | O_CLOEXEC) : -1;
+  const int error = errno;
+  if (fd < 0) fail(cannotTake(owner), refusedBecause(), "; opening ", path, " failed too: ",
+                   std::strerror(error));
+  OwnedFd taken(fd);
+  if (exited(ownerPidfd)) fail(cannotTake(owner), "the process exited");
+  logOnce("flag segment through /proc", "peers' flag segments are opened through "
+          "/proc/<pid>/fd: pidfd_getfd is refused here (ptrace attach rights, e.g. "
+          "kernel.yama.ptrace_scope=1)");
+  return taken;
+}
+
 // The owner's segment, duplicated into this process through the owner's pidfd.
 OwnedFd takeSegment(int ownerPidfd, const FlagSegmentRef& published, const std::string& owner) {
   if (ownerPidfd < 0) {
@@ -108,7 +146,7 @@ OwnedFd takeSegment(int ownerPidfd, const FlagSegmentRef& published, const std::
   const int error = errno;
   switch (error) {
     case EPERM:
-      fail(cannotTake(owner), refusedBecause());
+      return openThroughProc(ownerPidfd, published, owner);
     case ENOSYS:
       fail(cannotTake(owner), "pidfd_getfd is unavailable (ENOSYS): it needs Linux 5.6+, this "
            "kernel is ", kernelRelease(), "; same-host CUDA transfers need it (or set "
