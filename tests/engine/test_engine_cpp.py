@@ -15,7 +15,7 @@ SOURCES = ["Matcher.cpp", "Wire.cpp", "TensorDesc.cpp", "Op.cpp", "Log.cpp", "Co
            "cuda/IpcCache.cpp", "cuda/DeviceMemory.cpp", "cuda/Event.cpp", "cuda/Stream.cpp",
            "cuda/StreamMemoryOps.cpp", "cuda/Copies.cpp", "cuda/Bounce.cpp",
            "cuda/PinnedMemory.cpp", "channels/copy_engine/StagingRing.cpp",
-           "channels/copy_engine/RingMemory.cpp",
+           "channels/copy_engine/RingMemory.cpp", "channels/copy_engine/ChannelData.cpp",
            "channels/copy_engine/EagerLanes.cpp", "channels/copy_engine/CollectiveRecords.cpp",
            "channels/captured/GraphWait.cpp",
            "channels/captured/CapturedAnnouncement.cpp",
