@@ -79,7 +79,9 @@ class Reader {
     if constexpr (std::is_same_v<T, bool>) {
       uint8_t byte = 0;
       get(byte);
-      if (byte > 1) badPeerValue(message_, "bool", "byte ", static_cast<int>(byte), " is not 0 or 1");
+      if (byte > 1) {
+        badPeerValue(message_, "bool", "byte ", static_cast<int>(byte), " is not 0 or 1");
+      }
       value = byte != 0;
     } else {
       need(sizeof(T));

@@ -363,8 +363,8 @@ TEST(fuzzCapturedRecords, "fuzz: captured announcements and posted-recv notices 
                 flagInBounds(read.slot.empty) &&
                 read.slot.memory.kind == cuda::IpcExport::Kind::kIpcHandle;
        });
-  fuzz("posted-recv notice", {postedRecvBytes(6, handleExport()), postedRecvBytes(0, chunkExport())},
-       anyEdit, [](const std::string& input) {
+  fuzz("posted-recv notice",
+       {postedRecvBytes(6, handleExport()), postedRecvBytes(0, chunkExport())}, anyEdit, [](const std::string& input) {
          const PostedRecv read = PostedRecv::read(input);
          return flagInBounds(read.ready) && flagInBounds(read.arrived) &&
                 read.dtype.size() <= PostedRecv::kMaxDtypeBytes && exportInBounds(read.buffer);

@@ -11,7 +11,9 @@
 int main(int argc, char** argv) {
   using namespace smfree::engine::testing;
   for (int i = 1; i + 1 < argc; ++i) {
-    if (std::strcmp(argv[i], "--fuzz-inputs") == 0) fuzzInputs = std::strtol(argv[i + 1], nullptr, 10);
+    if (std::strcmp(argv[i], "--fuzz-inputs") == 0) {
+      fuzzInputs = std::strtol(argv[i + 1], nullptr, 10);
+    }
   }
   int passed = 0;
   for (const Test& test : registry()) {
