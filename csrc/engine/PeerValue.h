@@ -1,6 +1,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -26,9 +27,12 @@ class BadPeerValue : public Error {
   std::string field_;
 };
 
+// Throws "smfree: bad <field> in a <message>: <parts>".
 template <typename... Parts>
 [[noreturn]] void badPeerValue(const char* message, const char* field, const Parts&... parts) {
-  throw BadPeerValue(field, concat("smfree: bad ", field, " in a ", message, ": ", parts...));
+  const char* article = std::strchr("aeiou", message[0]) != nullptr ? "an " : "a ";
+  throw BadPeerValue(field,
+                     concat("smfree: bad ", field, " in ", article, message, ": ", parts...));
 }
 
 // `value` must be in [0, bound).

@@ -331,7 +331,8 @@ Peer* Rendezvous::replier(uint64_t groupId, const char* message, int rank) {
 }
 
 void Rendezvous::badValueFrom(Peer& peer, const BadPeerValue& error) {
-  const std::string why = concat(peer.describe(), " sent a bad ", error.field(), ": ",
+  // "its peer process (pid 4242 on host n1) sent a bad ready flag index in a ...: ..."
+  const std::string why = concat("its peer process (", peer.describe(), ") sent a ",
                                  reasonOf(error));
   log(LogLevel::kError, why);
   failOpsWith(peer, StatusCode::kTransport, why);

@@ -64,10 +64,10 @@ TEST(peerValueBounds, "peer values: a value below its bound passes, one at it is
 TEST(noticesAreBounded, "peer values: eager and staging notices bound their slot and size") {
   CHECK(readEagerNotice(toBytes(EagerNotice{0, kEagerSlots - 1, 3, 1})).slot == kEagerSlots - 1);
   CHECK(throwsError([] { readEagerNotice(toBytes(EagerNotice{0, kEagerSlots, 3, 0})); },
-                    "bad slot in a eager announcement: 8 is out of bounds (0 to 7)"));
+                    "bad slot in an eager announcement: 8 is out of bounds (0 to 7)"));
   CHECK(refusedField([] { readEagerNotice(toBytes(EagerNotice{0, 1, 3, 2})); }) == "held");
   CHECK(throwsError([] { readEagerNotice("abc"); },
-                    "bad length in a eager announcement: 3 B, expected 16 B"));
+                    "bad length in an eager announcement: 3 B, expected 16 B"));
   CHECK(readStagedNotice(toBytes(StagedNotice{9, 0, kStagingSlots - 1, 0, 0})).recvId == 9);
   CHECK(refusedField([] { readStagedNotice(toBytes(StagedNotice{9, 0, kStagingSlots, 0, 0})); }) ==
         "slot");
