@@ -222,7 +222,11 @@ void Engine::onControlMessage(const void* data, size_t length) {
         if constexpr (std::is_same_v<T, ChannelNotice>) {
           // A failed peer's notices are void: its channel state is gone.
           if (sender && !sender->failed) {
-            channels_->of(message.channel).onNotice(*sender, message.data);
+            try {
+              channels_->of(message.channel).onNotice(*sender, message.data);
+            } catch (const BadPeerValue& error) {
+              rendezvous_->badValueFrom(*sender, error);
+            }
           }
         }
         if constexpr (std::is_same_v<T, Probe>) {

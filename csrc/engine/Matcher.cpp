@@ -1,5 +1,7 @@
 #include "engine/Matcher.h"
 
+#include "engine/PeerValue.h"
+
 namespace smfree::engine {
 
 std::optional<Matcher::Match> Matcher::postRecv(std::shared_ptr<Op> recv) {
@@ -9,6 +11,7 @@ std::optional<Matcher::Match> Matcher::postRecv(std::shared_ptr<Op> recv) {
     if (!stream.waiting.empty()) {
       Match match{std::move(recv), std::move(stream.waiting.front())};
       stream.waiting.pop_front();
+      --waitingFrom_[match.announcement.rts.source];
       return match;
     }
     stream.posted.push_back(std::move(recv));
@@ -25,6 +28,7 @@ std::optional<Matcher::Match> Matcher::postRecv(std::shared_ptr<Op> recv) {
   if (oldest) {
     Match match{std::move(recv), std::move(oldest->waiting.front())};
     oldest->waiting.pop_front();
+    --waitingFrom_[match.announcement.rts.source];
     return match;
   }
   anySource_[tag].push_back(std::move(recv));
@@ -32,10 +36,20 @@ std::optional<Matcher::Match> Matcher::postRecv(std::shared_ptr<Op> recv) {
 }
 
 std::vector<Matcher::Match> Matcher::announce(ReadyToSend rts) {
+  size_t& waiting = waitingFrom_[rts.source];
+  if (waiting >= kMaxWaitingPerSource) {
+    badPeerValue(rts.kName, "number of waiting announcements", "rank ", rts.source, " has ",
+                 waiting, " sends announced that no recv has matched, the most one source may");
+  }
   Stream& stream = streams_[{rts.source, rts.tag}];
   std::vector<Match> matches;
+  if (rts.seq < stream.nextSeq || stream.early.count(rts.seq) != 0) {
+    badPeerValue(rts.kName, "sequence number", rts.seq, " of rank ", rts.source, " tag ", rts.tag,
+                 " was announced before (next expected: ", stream.nextSeq, ")");
+  }
   if (rts.seq != stream.nextSeq) {
     stream.early.emplace(rts.seq, std::move(rts));
+    ++waiting;
     return matches;
   }
   if (auto match = release(stream, std::move(rts))) {
@@ -45,6 +59,7 @@ std::vector<Matcher::Match> Matcher::announce(ReadyToSend rts) {
        next = stream.early.find(stream.nextSeq)) {
     ReadyToSend ready = std::move(next->second);
     stream.early.erase(next);
+    --waitingFrom_[ready.source];
     if (auto match = release(stream, std::move(ready))) {
       matches.push_back(std::move(*match));
     }
@@ -71,6 +86,7 @@ std::optional<Matcher::Match> Matcher::release(Stream& stream, ReadyToSend rts) 
     any->second.pop_front();
     return match;
   }
+  ++waitingFrom_[announcement.rts.source];
   stream.waiting.push_back(std::move(announcement));
   return std::nullopt;
 }
@@ -106,6 +122,7 @@ std::vector<std::shared_ptr<Op>> Matcher::clear() {
   }
   streams_.clear();
   anySource_.clear();
+  waitingFrom_.clear();
   return recvs;
 }
 

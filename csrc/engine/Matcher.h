@@ -32,7 +32,13 @@ class Matcher {
     Announcement announcement;
   };
 
+  // Announcements one source may have waiting (early or released, not matched): a sender
+  // that posts this many sends before its receiver posts their recvs has its ops failed.
+  static constexpr size_t kMaxWaitingPerSource = size_t{1} << 16;
+
   std::optional<Match> postRecv(std::shared_ptr<Op> recv);
+  // Throws BadPeerValue, queuing nothing, for a sequence number already released or where the
+  // source has kMaxWaitingPerSource announcements waiting.
   std::vector<Match> announce(ReadyToSend rts);
   // Marks a not yet matched announcement as given up by its sender; false if none is waiting.
   bool cancel(int source, int tag, uint64_t seq, const std::string& reason);
@@ -55,6 +61,7 @@ class Matcher {
 
   std::map<StreamKey, Stream> streams_;
   std::map<int, std::deque<std::shared_ptr<Op>>> anySource_;  // by tag
+  std::map<int, size_t> waitingFrom_;  // by source: announcements early or waiting
   uint64_t arrivals_ = 0;
 };
 

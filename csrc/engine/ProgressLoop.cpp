@@ -14,6 +14,9 @@ namespace smfree::engine {
 namespace {
 
 constexpr auto kExpiryScanInterval = std::chrono::milliseconds(20);
+// UCX progress calls per turn: peers that keep sending cannot hold the thread in UCX (nor grow
+// the messages it holds for deliver()) past this; the rest waits for the next turn.
+constexpr int kMostWorkerProgressPerTurn = 1024;
 // How often exported CUDA memory is checked for having been freed: what a peer's mapping
 // keeps of the memory after the allocator released it is held for about this long.
 constexpr auto kExportSweepInterval = std::chrono::milliseconds(50);
@@ -101,7 +104,7 @@ bool ProgressLoop::turn(Clocks& clocks, cuda::CurrentContext& channelContext) {
     active = channel.progress() || active;
     if (const int device = channel.contextDevice(); device >= 0) channelContext.use(device);
   });
-  while (worker_.progress() != 0) {
+  for (int calls = 0; calls < kMostWorkerProgressPerTurn && worker_.progress() != 0; ++calls) {
     active = true;
   }
   // What UCX's callbacks held inside that progress, handled outside it: the control messages

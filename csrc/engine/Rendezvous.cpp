@@ -5,6 +5,7 @@
 
 #include "engine/Error.h"
 #include "engine/Log.h"
+#include "engine/PeerValue.h"
 
 namespace smfree::engine {
 namespace {
@@ -58,6 +59,10 @@ bool allowed(const Op& op, OpState next) {
   return false;
 }
 
+// Announcements for groups this process has not joined yet, from all peers together: past it,
+// more are dropped (the group they name is not known, nor the peer behind them).
+constexpr size_t kMaxOrphans = 1 << 16;
+
 }  // namespace
 
 Rendezvous::Rendezvous(Channels& channels, PeerTable& peers, Failures& failures,
@@ -96,8 +101,9 @@ void Rendezvous::registerGroup(std::shared_ptr<const GroupConfig> config) {
   if (orphans != orphans_.end()) {
     for (ReadyToSend& rts : orphans->second) {
       // No recv is posted yet: nothing can match.
-      state.matcherFor(rts.channel).announce(std::move(rts));
+      if (rankInGroup(state, rts)) announceOrFail(state, std::move(rts));
     }
+    orphanCount_ -= orphans->second.size();
     orphans_.erase(orphans);
   }
 }
@@ -258,7 +264,14 @@ void Rendezvous::onReadyToSend(const ReadyToSend& message) {
   thread_.check("Rendezvous::onReadyToSend");
   GroupState* group = findGroup(message.group);
   if (!group) {
+    if (orphanCount_ >= kMaxOrphans) {
+      logOnce("orphans", concat("dropped announcements for groups this process has not joined: "
+                                "more than ", kMaxOrphans, " wait"),
+              LogLevel::kError);
+      return;
+    }
     orphans_[message.group].push_back(message);
+    ++orphanCount_;
     return;
   }
   if (group->closed) {
@@ -266,15 +279,79 @@ void Rendezvous::onReadyToSend(const ReadyToSend& message) {
     discardAnnounced(*group, message);
     return;
   }
-  if (!message.channelData.empty()) {
-    Peer* sender = message.source >= 0 && message.source < static_cast<int>(group->peers.size())
-                       ? group->peers[message.source]
-                       : nullptr;
-    if (sender) channels_.of(message.channel).announced(*sender, message);
+  if (!rankInGroup(*group, message)) return;
+  Peer* sender = group->peers[message.source];
+  if (sender && !message.channelData.empty()) {
+    channels_.of(message.channel).announced(*sender, message);
   }
-  for (Matcher::Match& match : group->matcherFor(message.channel).announce(message)) {
-    onMatched(*group, match);
+  announceOrFail(*group, message);
+}
+
+bool Rendezvous::rankInGroup(const GroupState& group, const ReadyToSend& message) {
+  try {
+    checkBelow(message.kName, "source rank", message.source, group.peers.size());
+    return true;
+  } catch (const BadPeerValue& error) {
+    // No peer to blame: the rank that would name it is the bad value.
+    log(LogLevel::kError, "dropped a control message in group '", group.config->name, "': ",
+        reasonOf(error));
+    return false;
   }
+}
+
+void Rendezvous::announceOrFail(GroupState& group, ReadyToSend message) {
+  std::vector<Matcher::Match> matches;
+  try {
+    matches = group.matcherFor(message.channel).announce(message);
+  } catch (const BadPeerValue& error) {
+    discardAnnounced(group, message);
+    // Not connected yet (its first op with this process is to come): nothing of it to fail.
+    if (Peer* sender = group.peers[message.source]) {
+      badValueFrom(*sender, error);
+    } else {
+      log(LogLevel::kError, "dropped a send announced by rank ", message.source, ": ",
+          reasonOf(error));
+    }
+    return;
+  }
+  for (Matcher::Match& match : matches) onMatched(group, match);
+}
+
+Peer* Rendezvous::replier(uint64_t groupId, const char* message, int rank) {
+  GroupState* group = findGroup(groupId);
+  if (!group) return nullptr;  // closed and forgotten, or never joined: nothing to act on
+  try {
+    checkBelow(message, "receiver rank", rank, group->peers.size());
+  } catch (const BadPeerValue& error) {
+    log(LogLevel::kError, "dropped a control message in group '", group->config->name, "': ",
+        reasonOf(error));
+    return nullptr;
+  }
+  return group->peers[rank];
+}
+
+void Rendezvous::badValueFrom(Peer& peer, const BadPeerValue& error) {
+  // "its peer process (pid 4242 on host n1) sent a bad ready flag index in a ...: ..."
+  const std::string why = concat("its peer process (", peer.describe(), ") sent a ",
+                                 reasonOf(error));
+  log(LogLevel::kError, why);
+  failOpsWith(peer, StatusCode::kTransport, why);
+}
+
+void Rendezvous::failOpsWith(Peer& peer, StatusCode code, const std::string& why) {
+  std::vector<std::shared_ptr<Op>> affected;
+  for (auto& [id, op] : live_) {
+    if (!op->finished() && partnerOf(*op) == &peer) affected.push_back(op);
+  }
+  for (auto& op : affected) {
+    const bool moving = op->state == OpState::kMoving;
+    failOp(op, code, concat(op->describe(), " failed: ", why));
+    if (moving) channels_.of(*op).cancel(*op);
+  }
+}
+
+bool Rendezvous::isOwnOp(const Op& op, uint64_t groupId, int partner, OpKind kind) {
+  return op.request.kind == kind && op.groupId == groupId && op.partner() == partner;
 }
 
 std::optional<Rendezvous::MatchRefusal> Rendezvous::refusalOfMatch(const GroupState& group,
@@ -350,6 +427,12 @@ void Rendezvous::onMatched(GroupState& group, Matcher::Match& match) {
   transition(recv, OpState::kMoving);
   try {
     clear.channelData = channels_.of(*recv).armRecv(recv, *sender, rts.channelData);
+  } catch (const BadPeerValue& error) {
+    discardAnnounced(group, rts, recv.get());
+    badValueFrom(*sender, error);  // the recv with the others of that peer
+    peers_.send(*sender, Refusal{group.id, group.config->rank, rts.sendId,
+                                 StatusCode::kTransport, error.what()});
+    return;
   } catch (const Error& error) {
     discardAnnounced(group, rts, recv.get());
     failOp(recv, StatusCode::kTransport, error.what());
@@ -363,12 +446,20 @@ void Rendezvous::onMatched(GroupState& group, Matcher::Match& match) {
 
 void Rendezvous::onClearToSend(const ClearToSend& message) {
   thread_.check("Rendezvous::onClearToSend");
-  std::shared_ptr<Op> send = findLive(message.sendId);
+  Peer* receiver = replier(message.group, message.kName, message.receiver);
+  if (!receiver) return;
   GroupState* group = findGroup(message.group);
-  Peer* receiver = group ? group->peers[message.receiver] : nullptr;
+  std::shared_ptr<Op> send = findLive(message.sendId);
+  if (send && !isOwnOp(*send, message.group, message.receiver, OpKind::kSend)) {
+    // An op id only this process hands out, echoed for another op: not to be acted on.
+    badValueFrom(*receiver, BadPeerValue("send id", concat("smfree: bad send id in a ",
+                 message.kName, ": op ", message.sendId, " is not a send of this group to rank ",
+                 message.receiver)));
+    return;
+  }
   if (!send || send->finished()) {
     // The send already failed (timeout, abort): its receiver must not wait for the bytes.
-    if (receiver && message.recvId != 0) {
+    if (message.recvId != 0) {
       peers_.send(*receiver,
                   Cancellation{message.group, group->config->rank, 0, 0, message.recvId,
                                send ? concat("the matching send gave up: ", send->describe(),
@@ -382,11 +473,6 @@ void Rendezvous::onClearToSend(const ClearToSend& message) {
     transition(send, OpState::kEnded, Status::success());
     return;
   }
-  if (!receiver) {
-    failOp(send, StatusCode::kTransport,
-           concat(send->describe(), " was cleared by an unknown rank"));
-    return;
-  }
   if (receiver->failed) {
     failOp(send, StatusCode::kPeerFailure,
            concat(send->describe(), " failed: ", receiver->failure));
@@ -398,6 +484,11 @@ void Rendezvous::onClearToSend(const ClearToSend& message) {
       throw Error(concat(send->describe(), " failed: ", *gone));
     }
     channels_.of(*send).startSend(send, *receiver, message.channelData);
+  } catch (const BadPeerValue& error) {
+    badValueFrom(*receiver, error);  // the send with the others of that peer
+    peers_.send(*receiver, Cancellation{message.group, group->config->rank, 0, 0, message.recvId,
+                                        concat("the matching send refused its clear-to-send: ",
+                                               reasonOf(error))});
   } catch (const Error& error) {
     failOp(send, StatusCode::kTransport, error.what());
     // Its receiver is armed for bytes that will not come: it fails now, not at its timeout.
@@ -408,9 +499,17 @@ void Rendezvous::onClearToSend(const ClearToSend& message) {
 
 void Rendezvous::onRefusal(const Refusal& message) {
   thread_.check("Rendezvous::onRefusal");
-  if (std::shared_ptr<Op> send = findLive(message.sendId)) {
-    failOp(send, message.code, message.reason);
+  Peer* receiver = replier(message.group, message.kName, message.receiver);
+  if (!receiver) return;
+  std::shared_ptr<Op> send = findLive(message.sendId);
+  if (!send) return;
+  if (!isOwnOp(*send, message.group, message.receiver, OpKind::kSend)) {
+    badValueFrom(*receiver, BadPeerValue("send id", concat("smfree: bad send id in a ",
+                 message.kName, ": op ", message.sendId, " is not a send of this group to rank ",
+                 message.receiver)));
+    return;
   }
+  failOp(send, message.code, message.reason);
 }
 
 void Rendezvous::onCancellation(const Cancellation& message) {
@@ -418,6 +517,14 @@ void Rendezvous::onCancellation(const Cancellation& message) {
   if (message.recvId != 0) {
     std::shared_ptr<Op> recv = findLive(message.recvId);
     if (!recv) {
+      return;
+    }
+    if (!isOwnOp(*recv, message.group, message.source, OpKind::kRecv)) {
+      if (Peer* sender = peerOf(message.group, message.source)) {
+        badValueFrom(*sender, BadPeerValue("recv id", concat("smfree: bad recv id in a ",
+                     message.kName, ": op ", message.recvId,
+                     " is not a recv of this group matched with rank ", message.source)));
+      }
       return;
     }
     // Also for a recv that already failed (timed out, group closed): its channel may still
@@ -441,18 +548,12 @@ void Rendezvous::onTransferDone(const std::shared_ptr<Op>& op, const Status& sta
 
 void Rendezvous::peerFailed(Peer& peer, const std::string& why) {
   thread_.check("Rendezvous::peerFailed");
-  std::vector<std::shared_ptr<Op>> affected;
-  for (auto& [id, op] : live_) {
-    if (!op->finished() && partnerOf(*op) == &peer) affected.push_back(op);
-  }
+  bool waiting = false;
+  for (auto& [id, op] : live_) waiting = waiting || (!op->finished() && partnerOf(*op) == &peer);
   // A peer leaving after every group with it closed is a normal exit.
-  const bool matters = !affected.empty() || referencedByOpenGroup(peer);
+  const bool matters = waiting || referencedByOpenGroup(peer);
   log(matters ? LogLevel::kWarn : LogLevel::kDebug, "peer ", peer.describe(), " failed: ", why);
-  for (auto& op : affected) {
-    const bool moving = op->state == OpState::kMoving;
-    failOp(op, StatusCode::kPeerFailure, concat(op->describe(), " failed: ", peer.failure));
-    if (moving) channels_.of(*op).cancel(*op);
-  }
+  failOpsWith(peer, StatusCode::kPeerFailure, peer.failure);
 }
 
 void Rendezvous::expireOps(Clock::time_point now) {

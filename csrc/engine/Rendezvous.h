@@ -14,6 +14,7 @@
 #include "engine/GroupState.h"
 #include "engine/Op.h"
 #include "engine/PeerTable.h"
+#include "engine/PeerValue.h"
 #include "engine/ProgressThread.h"
 #include "engine/Wire.h"
 
@@ -48,6 +49,8 @@ class Rendezvous {
   void onTransferDone(const std::shared_ptr<Op>& op, const Status& status);
   // Fails the ops with the peer, which has just failed with `why`.
   void peerFailed(Peer& peer, const std::string& why);
+  // A peer sent a value out of its bound: its ops fail, naming it and the field.
+  void badValueFrom(Peer& peer, const BadPeerValue& error);
   // Fails the ops past their deadline.
   void expireOps(Clock::time_point now);
   // Probes the peers on other hosts that ops wait on, where they have gone silent
@@ -98,6 +101,17 @@ class Rendezvous {
   void expire(const std::shared_ptr<Op>& op, Clock::time_point now);
   // Why the op failed at its timeout: unmatched, or its bytes still moving, or its peer silent.
   std::string timeoutMessage(const Op& op, Clock::time_point now);
+  // Whether a ready-to-send's source rank is in the group (logged where not). Its peer may not
+  // be connected yet: it is announced all the same.
+  bool rankInGroup(const GroupState& group, const ReadyToSend& message);
+  // Queues the announcement; past Matcher's caps, fails the sender's ops instead.
+  void announceOrFail(GroupState& group, ReadyToSend message);
+  // The peer that a clear-to-send or refusal names, its rank checked against its group; null
+  // (logged) where there is none.
+  Peer* replier(uint64_t groupId, const char* message, int rank);
+  void failOpsWith(Peer& peer, StatusCode code, const std::string& why);
+  // Whether an op id a peer echoed names an op of that kind, group and partner.
+  static bool isOwnOp(const Op& op, uint64_t groupId, int partner, OpKind kind);
   std::shared_ptr<Op> findLive(uint64_t opId);
   Peer* partnerOf(const Op& op);
   bool referencedByOpenGroup(const Peer& peer) const;
@@ -110,6 +124,7 @@ class Rendezvous {
   std::unordered_map<uint64_t, std::shared_ptr<Op>> live_;
   size_t awaitingProgress_ = 0;  // of live_
   std::unordered_map<uint64_t, std::vector<ReadyToSend>> orphans_;  // for groups not joined yet
+  size_t orphanCount_ = 0;  // of orphans_, all groups
   // Ops that make CUDA calls on this thread, held while a channel is committed, and the ops
   // started after them (ops start in posting order: they match in it).
   std::deque<std::shared_ptr<Op>> heldOps_;

@@ -51,4 +51,9 @@ void Spin::onRanksOnHost(long ranks) {
 
 bool Spin::crowded(long ranks) const { return ranks * kPollingThreadsPerRank > cpus_; }
 
+void SpinDeadline::expired() const {
+  fail(what_, " did not end within ", limit_.count(),
+       " ms: the thread or process it waits on is stuck or gone");
+}
+
 }  // namespace smfree::engine

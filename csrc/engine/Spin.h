@@ -38,4 +38,30 @@ class Spin {
   bool counting_ = false;
 };
 
+// The deadline of a loop that spins on another thread or process (a word in shared memory, a
+// flag the progress thread sets): every engine spin has one, so a stuck thread or a peer that
+// keeps changing a shared word ends in an Error naming the wait, never in a hang. The clock
+// is read once every kCallsPerClockRead calls: a check is a compare.
+class SpinDeadline {
+ public:
+  static constexpr uint32_t kCallsPerClockRead = 1024;
+
+  SpinDeadline(std::chrono::milliseconds limit, const char* what)
+      : limit_(limit), what_(what), deadline_(std::chrono::steady_clock::now() + limit) {}
+  // Throws Error once the limit has passed.
+  void check() {
+    if (++calls_ % kCallsPerClockRead == 0 && std::chrono::steady_clock::now() > deadline_) {
+      expired();
+    }
+  }
+
+ private:
+  [[noreturn]] void expired() const;
+
+  std::chrono::milliseconds limit_;
+  const char* what_;
+  std::chrono::steady_clock::time_point deadline_;
+  uint32_t calls_ = 0;
+};
+
 }  // namespace smfree::engine

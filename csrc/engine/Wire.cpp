@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "engine/Error.h"
+#include "engine/PeerValue.h"
 
 namespace smfree::engine {
 namespace {
@@ -24,7 +25,7 @@ bool known(StatusCode code) {
 const char* enumName(ChannelKind) { return "data channel"; }
 const char* enumName(StatusCode) { return "status code"; }
 
-// Numbers and enums as their bytes; bool as one byte; strings and vectors as a uint32 count
+// Numbers and enums as their bytes; bool as one byte, 0 or 1; strings and vectors as a uint32 count
 // and their contents; a TensorDesc as its fields.
 class Writer {
  public:
@@ -78,6 +79,9 @@ class Reader {
     if constexpr (std::is_same_v<T, bool>) {
       uint8_t byte = 0;
       get(byte);
+      if (byte > 1) {
+        badPeerValue(message_, "bool", "byte ", static_cast<int>(byte), " is not 0 or 1");
+      }
       value = byte != 0;
     } else {
       need(sizeof(T));
@@ -85,8 +89,8 @@ class Reader {
       offset_ += sizeof(T);
       if constexpr (std::is_enum_v<T>) {
         if (!known(value)) {
-          fail("unknown ", enumName(value), " ", static_cast<long long>(value), " in a ",
-               message_);
+          badPeerValue(message_, enumName(value), "unknown value ",
+                       static_cast<long long>(value));
         }
       }
     }
@@ -103,6 +107,12 @@ class Reader {
     for (T& item : items) get(item);
   }
   void get(TensorDesc& desc) { (*this)(desc.bytes, desc.dtype, desc.device, desc.shape); }
+  // A message is exactly its fields: bytes past them are refused, not ignored.
+  void finish() const {
+    if (offset_ != length_) {
+      badPeerValue(message_, "length", length_, " B, its fields end at ", offset_, " B");
+    }
+  }
 
  private:
   // A count, checked against the bytes left before anything is allocated for it.
@@ -114,8 +124,8 @@ class Reader {
   }
   void need(size_t bytes) const {
     if (bytes > length_ - offset_) {
-      fail("truncated control message (", message_, ": ", length_, " B, needed ",
-           offset_ + bytes, " B)");
+      badPeerValue(message_, "length", "truncated at ", length_, " B, needed ",
+                   offset_ + bytes, " B");
     }
   }
 
@@ -125,12 +135,31 @@ class Reader {
   const char* message_;
 };
 
+// What a field's type leaves open, and needs no group to check: ranks are not negative, a
+// refusal refuses. Ranks against their group's size, op ids against their kind and partner:
+// Rendezvous, which knows both.
+constexpr uint64_t kRanks = uint64_t{1} << 31;
+void checkFields(const ReadyToSend& m) { checkBelow(m.kName, "source rank", m.source, kRanks); }
+void checkFields(const ClearToSend& m) {
+  checkBelow(m.kName, "receiver rank", m.receiver, kRanks);
+}
+void checkFields(const Refusal& m) {
+  checkBelow(m.kName, "receiver rank", m.receiver, kRanks);
+  if (m.code == StatusCode::kOk) badPeerValue(m.kName, "status code", "a refusal says ok");
+}
+void checkFields(const Cancellation& m) { checkBelow(m.kName, "source rank", m.source, kRanks); }
+void checkFields(const MemoryReleased&) {}
+void checkFields(const ChannelNotice&) {}
+void checkFields(const Probe&) {}
+
 template <size_t Index>
 ControlMessage decodeAs(Reader& reader) {
   using Message = std::variant_alternative_t<Index, ControlMessage>;
   Message message;
   reader.setMessage(Message::kName);
   Message::fields(message, reader);
+  reader.finish();
+  checkFields(message);
   return message;
 }
 
@@ -139,8 +168,8 @@ ControlMessage decodeByType(MessageType type, Reader& reader, std::index_sequenc
   using Decode = ControlMessage (*)(Reader&);
   static constexpr Decode kDecoders[] = {&decodeAs<Index>...};
   if (type == 0 || type > sizeof...(Index)) {
-    fail("unknown control message type ", static_cast<int>(type), " (known: 1 to ",
-         sizeof...(Index), ")");
+    badPeerValue("control message", "message type", "unknown type ", static_cast<int>(type),
+                 " (known: 1 to ", sizeof...(Index), ")");
   }
   return kDecoders[type - 1](reader);
 }

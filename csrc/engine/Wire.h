@@ -138,7 +138,9 @@ using ControlMessage = std::variant<ReadyToSend, ClearToSend, Refusal, Cancellat
                                     MemoryReleased, ChannelNotice, Probe>;
 
 std::vector<uint8_t> encode(const ControlMessage& message);
-// Throws Error on a truncated or unknown message.
+// The one parser of control messages. Throws BadPeerValue (PeerValue.h) on a truncated or
+// unknown message, bytes past its last field, an unknown enum value, a negative rank or a
+// refusal that says ok.
 ControlMessage decode(const void* data, size_t length);
 
 }  // namespace smfree::engine

@@ -106,7 +106,7 @@ TEST(capturedAnnouncementRoundTrips,
   CHECK(back.slot.memory.device == 1 && back.slot.memory.address == 0x7000 &&
         back.slot.memory.bufferId == 9);
   CHECK(testing::throwsError([&] { CapturedAnnouncement::read(bytes.substr(0, 8)); },
-                             "malformed captured send announcement: 8 B"));
+                             "bad length in a captured send announcement: 8 B"));
 
   std::string direct;
   CapturedAnnouncement{CapturedWay::kDirect, {}}.appendTo(direct);
@@ -115,10 +115,10 @@ TEST(capturedAnnouncementRoundTrips,
   std::string bare = direct;
   bare[0] = static_cast<char>(CapturedWay::kSlot);
   CHECK(testing::throwsError([&] { CapturedAnnouncement::read(bare); },
-                             "malformed captured send announcement: way 1"));
+                             "bad way in a captured send announcement: 1 in"));
   bare[0] = 7;
   CHECK(testing::throwsError([&] { CapturedAnnouncement::read(bare); },
-                             "malformed captured send announcement: way 7"));
+                             "bad way in a captured send announcement: 7 in"));
 }
 
 PostedRecv postedRecv(uint64_t seq) {
@@ -147,7 +147,7 @@ TEST(postedRecvRoundTrips, "a captured recv's notice to its sender round-trips")
   CHECK(back.buffer.device == 2 && back.buffer.address == 0x9100 && back.buffer.base == 0x9000 &&
         back.buffer.bufferId == 77);
   CHECK(testing::throwsError([&] { PostedRecv::read(bytes.substr(0, 10)); },
-                             "malformed captured recv notice: 10 B"));
+                             "bad length in a captured recv notice: 10 B"));
 }
 
 TEST(postedRecvsTakeTheirOwnPlace,

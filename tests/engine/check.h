@@ -13,6 +13,8 @@
 namespace smfree::engine::testing {
 
 inline int failures = 0;
+// Mutated inputs per parser in fuzz_tests.cpp (main's --fuzz-inputs).
+inline long fuzzInputs = 20000;
 
 struct Test {
   const char* name;

@@ -2,11 +2,19 @@
 // initialized them; exits non-zero on any failure.
 
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 
 #include "check.h"
 
-int main() {
+// --fuzz-inputs N: mutated inputs per parser for fuzz_tests.cpp.
+int main(int argc, char** argv) {
   using namespace smfree::engine::testing;
+  for (int i = 1; i + 1 < argc; ++i) {
+    if (std::strcmp(argv[i], "--fuzz-inputs") == 0) {
+      fuzzInputs = std::strtol(argv[i + 1], nullptr, 10);
+    }
+  }
   int passed = 0;
   for (const Test& test : registry()) {
     const int before = failures;

@@ -3,6 +3,7 @@
 #include <memory>
 
 #include "engine/Matcher.h"
+#include "engine/PeerValue.h"
 
 #include "check.h"
 
@@ -111,6 +112,44 @@ TEST(clearReturnsPostedRecvs, "clear returns posted recvs") {
   waiting = 0;
   matcher.forEachWaiting([&](const Announcement&) { ++waiting; });
   CHECK(waiting == 0);
+}
+
+TEST(matcherCapsWhatOneSourceHasWaiting,
+     "matcher: past its cap a source's announcement is refused; other sources go on") {
+  Matcher matcher;
+  for (uint64_t seq = 0; seq < Matcher::kMaxWaitingPerSource; ++seq) {
+    matcher.announce(rts(1, static_cast<int>(seq % 3), seq / 3));
+  }
+  CHECK(testing::throwsError([&] { matcher.announce(rts(1, 0, 1u << 20)); },
+                             "bad number of waiting announcements in a ready-to-send: rank 1 "
+                             "has 65536 sends announced"));
+  CHECK(matcher.announce(rts(2, 0, 0)).empty());  // another source is unaffected
+  CHECK(matcher.postRecv(recv(1, 0)).has_value());  // a match frees a place
+  const uint64_t next = (Matcher::kMaxWaitingPerSource + 2) / 3;
+  CHECK(matcher.announce(rts(1, 0, next)).empty());
+  matcher.clear();
+  CHECK(matcher.announce(rts(1, 0, 0)).empty());
+}
+
+TEST(matcherRefusesASequenceNumberSeenBefore,
+     "matcher: a sequence number already released or already waiting early is refused") {
+  Matcher matcher;
+  CHECK(matcher.announce(rts(1, 0, 0)).empty());
+  CHECK(testing::throwsError([&] { matcher.announce(rts(1, 0, 0)); },
+                             "bad sequence number in a ready-to-send: 0 of rank 1 tag 0 was "
+                             "announced before (next expected: 1)"));
+  CHECK(matcher.announce(rts(1, 0, 5)).empty());
+  CHECK(testing::throwsError([&] { matcher.announce(rts(1, 0, 5)); }, "bad sequence number"));
+  try {
+    matcher.announce(rts(1, 0, 5));
+  } catch (const BadPeerValue& error) {
+    CHECK(error.field() == "sequence number");
+  }
+  // Neither refusal disturbed the line: 1 to 4 still release 5 after them.
+  for (uint64_t seq = 1; seq < 5; ++seq) matcher.announce(rts(1, 0, seq));
+  int matched = 0;
+  while (matcher.postRecv(recv(1, 0))) ++matched;
+  CHECK(matched == 6);
 }
 
 }  // namespace

@@ -56,4 +56,16 @@ TEST(spinWithoutACpuCount, "spin: where the CPUs are unknown it keeps its defaul
   CHECK(Spin::cpusOfProcess() >= 1);
 }
 
+TEST(spinDeadlineEndsAStuckWait, "spin deadline: a spin past its limit throws naming the wait") {
+  SpinDeadline quick(std::chrono::milliseconds(0), "a test's wait");
+  CHECK(testing::throwsError(
+      [&] {
+        for (;;) quick.check();
+      },
+      "a test's wait did not end within 0 ms: the thread or process it waits on is stuck or "
+      "gone"));
+  SpinDeadline patient(std::chrono::seconds(60), "a patient wait");
+  for (uint32_t i = 0; i < 10 * SpinDeadline::kCallsPerClockRead; ++i) patient.check();
+}
+
 }  // namespace

@@ -16,7 +16,7 @@ SOURCES = ["Matcher.cpp", "Wire.cpp", "TensorDesc.cpp", "Op.cpp", "Log.cpp", "Co
            "cuda/IpcCache.cpp", "cuda/DeviceMemory.cpp", "cuda/Event.cpp", "cuda/Stream.cpp",
            "cuda/StreamMemoryOps.cpp", "cuda/Copies.cpp", "cuda/Bounce.cpp",
            "cuda/PinnedMemory.cpp", "channels/copy_engine/StagingRing.cpp",
-           "channels/copy_engine/RingMemory.cpp",
+           "channels/copy_engine/RingMemory.cpp", "channels/copy_engine/ChannelData.cpp",
            "channels/copy_engine/EagerLanes.cpp", "channels/copy_engine/CollectiveRecords.cpp",
            "channels/captured/GraphWait.cpp",
            "channels/captured/CapturedAnnouncement.cpp",
@@ -30,18 +30,50 @@ def cuda_include():
     pytest.skip("no cuda.h (set CUDA_HOME)")
 
 
-def test_engine_unit_tests(tmp_path):
+# Mutated inputs per parser in fuzz_tests.cpp: the plain run's few catch a parser that stopped
+# refusing; the sanitizers' run is the fuzzing itself.
+PLAIN_FUZZ_INPUTS = 20_000
+# A million per parser ran clean under the sanitizers on the shared 2-core development machine
+# (80 to 100 s of CPU, 2 to 3 min of wall clock there as load varied); CI runs fewer, from the
+# same seed, to stay within about a minute.
+SANITIZED_FUZZ_INPUTS = 400_000
+SANITIZERS = ["-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=all",
+              "-fno-omit-frame-pointer"]
+
+
+def build(tmp_path, name, flags):
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not compiler:
         pytest.skip("no C++ compiler")
-    binary = tmp_path / "engine_tests"
+    binary = tmp_path / name
     tests = sorted(glob.glob(os.path.join(HERE, "*.cpp")))
-    command = [compiler, "-std=c++17", "-O1", "-Wall", "-Wextra", "-Werror",
+    command = [compiler, "-std=c++17", "-O1", *flags, "-Wall", "-Wextra", "-Werror",
                "-I", os.path.join(ROOT, "csrc"), "-I", cuda_include(), *tests,
                *[os.path.join(ROOT, "csrc", "engine", source) for source in SOURCES],
                "-o", str(binary), "-ldl", "-pthread"]
-    subprocess.run(command, check=True, timeout=300)
-    result = subprocess.run([str(binary)], capture_output=True, text=True, timeout=60)
+    subprocess.run(command, check=True, timeout=900)
+    return binary
+
+
+def run(binary, fuzz_inputs, timeout, env=None):
+    result = subprocess.run([str(binary), "--fuzz-inputs", str(fuzz_inputs)], capture_output=True,
+                            text=True, timeout=timeout, env=env)
     print(result.stdout)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.strip().splitlines()[-1].endswith(" 0 failed")
+    return result
+
+
+def test_engine_unit_tests(tmp_path):
+    run(build(tmp_path, "engine_tests", []), PLAIN_FUZZ_INPUTS, timeout=120)
+
+
+def test_engine_unit_tests_under_sanitizers(tmp_path):
+    """The same tests built with AddressSanitizer and UBSan, any report fatal: a read past a
+    peer's record, or undefined behaviour on a fuzzed value, fails the run."""
+    binary = build(tmp_path, "engine_tests_sanitized", SANITIZERS)
+    env = dict(os.environ, ASAN_OPTIONS="abort_on_error=1:detect_leaks=1",
+               UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1")
+    result = run(binary, SANITIZED_FUZZ_INPUTS, timeout=600, env=env)
+    fuzzed = [line for line in result.stdout.splitlines() if line.strip().startswith("fuzz ")]
+    assert len(fuzzed) == 10 and all(" 0 findings" in line for line in fuzzed), result.stdout

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "engine/GroupState.h"
+#include "engine/PeerValue.h"
 #include "engine/Wire.h"
 
 #include "check.h"
@@ -140,14 +141,14 @@ TEST(wireRejectsTruncatedMessages, "wire: every truncation of every message is r
     const std::vector<uint8_t> bytes = encode(sample.message);
     for (size_t length = 0; length < bytes.size(); ++length) {
       const bool refused = testing::throwsError([&] { decode(bytes.data(), length); },
-                                       "truncated control message (");
+                                       "bad length in a ");
       if (!refused) std::printf("  message %zu cut to %zu B\n", sample.message.index(), length);
       CHECK(refused);
     }
   }
   const std::vector<uint8_t> clear = encode(ClearToSend{7, 1, 55, 66, "payload"});
   CHECK(testing::throwsError([&] { decode(clear.data(), clear.size() - 3); },
-                    "truncated control message (clear-to-send: 37 B, needed 40 B)"));
+                    "bad length in a clear-to-send: truncated at 37 B, needed 40 B"));
 }
 
 TEST(wireRejectsAHugeCountWithoutAllocating, "wire: a count past the message's end is refused") {
@@ -157,7 +158,7 @@ TEST(wireRejectsAHugeCountWithoutAllocating, "wire: a count past the message's e
   bytes[8] = 0xff;
   bytes[9] = 0xff;
   CHECK(testing::throwsError([&] { decode(bytes.data(), bytes.size()); },
-                    "truncated control message (memory-released"));
+                    "bad length in a memory-released: truncated"));
 }
 
 TEST(wireRejectsAnUnknownType, "wire: an unknown message type is refused") {
@@ -165,7 +166,8 @@ TEST(wireRejectsAnUnknownType, "wire: an unknown message type is refused") {
     std::vector<uint8_t> bytes = encode(ChannelNotice{"a", ChannelKind::kCopyEngine, "b"});
     bytes[0] = type;
     CHECK(testing::throwsError([&] { decode(bytes.data(), bytes.size()); },
-                      "unknown control message type " + std::to_string(type) + " (known: 1 to 7)"));
+                      "bad message type in a control message: unknown type " +
+                          std::to_string(type) + " (known: 1 to 7)"));
   }
 }
 
@@ -175,14 +177,52 @@ TEST(wireRejectsAnUnknownChannel, "wire: an unknown data channel is refused") {
   // (after a 4-byte length) follows.
   bytes[bytes.size() - 8] = 7;
   CHECK(testing::throwsError([&] { decode(bytes.data(), bytes.size()); },
-                    "unknown data channel 7 in a ready-to-send"));
+                    "bad data channel in a ready-to-send: unknown value 7"));
 }
 
 TEST(wireRejectsAnUnknownStatusCode, "wire: an unknown status code is refused") {
   auto bytes = encode(Refusal{7, 1, 55, StatusCode::kMismatch, ""});
   bytes[bytes.size() - 8] = 42;  // the code: 4 bytes before the reason's 4-byte length
   CHECK(testing::throwsError([&] { decode(bytes.data(), bytes.size()); },
-                    "unknown status code 42 in a refusal"));
+                    "bad status code in a refusal: unknown value 42"));
+}
+
+TEST(wireRejectsTrailingBytes, "wire: a message with bytes past its last field is refused") {
+  for (const Sample& sample : samples()) {
+    std::vector<uint8_t> bytes = encode(sample.message);
+    bytes.push_back(0);
+    CHECK(testing::throwsError([&] { decode(bytes.data(), bytes.size()); }, "bad length in a "));
+  }
+  const std::vector<uint8_t> probe = [] {
+    auto bytes = encode(Probe{"peer", true});
+    bytes.insert(bytes.end(), {1, 2, 3});
+    return bytes;
+  }();
+  CHECK(testing::throwsError([&] { decode(probe.data(), probe.size()); },
+                             "bad length in a probe: 13 B, its fields end at 10 B"));
+}
+
+TEST(wireRejectsNegativeRanksAndAnOkRefusal,
+     "wire: a negative rank, or a refusal that says ok, is refused naming the field") {
+  ReadyToSend ready = sampleReady();
+  ready.source = -1;
+  const auto rts = encode(ready);
+  CHECK(testing::throwsError([&] { decode(rts.data(), rts.size()); },
+                             "bad source rank in a ready-to-send: -1 is out of bounds"));
+  const auto clear = encode(ClearToSend{7, -5, 55, 66, ""});
+  CHECK(testing::throwsError([&] { decode(clear.data(), clear.size()); },
+                             "bad receiver rank in a clear-to-send: -5"));
+  const auto refusal = encode(Refusal{7, 1, 55, StatusCode::kOk, "no"});
+  CHECK(testing::throwsError([&] { decode(refusal.data(), refusal.size()); },
+                             "bad status code in a refusal: a refusal says ok"));
+  const auto cancel = encode(Cancellation{7, -2, 3, 4, 5, "x", ChannelKind::kUcx});
+  CHECK(testing::throwsError([&] { decode(cancel.data(), cancel.size()); },
+                             "bad source rank in a cancellation: -2"));
+  try {
+    decode(clear.data(), clear.size());
+  } catch (const BadPeerValue& error) {
+    CHECK(error.field() == "receiver rank");
+  }
 }
 
 TEST(groupIdsFollowTheirNames, "group ids on the wire are equal per name, distinct across names") {

@@ -9,6 +9,7 @@
 
 #include "engine/Error.h"
 #include "engine/Log.h"
+#include "engine/PeerValue.h"
 #include "engine/cuda/CudaDriver.h"
 
 #ifndef SYS_pidfd_getfd
@@ -57,6 +58,25 @@ void PeerMapping::openIpcHandle(const IpcExport& exported) {
   check(driver().cuIpcOpenMemHandle(&address_, exported.handle,
                                     CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS),
         "cuIpcOpenMemHandle");
+  // The handle maps the whole allocation: its size is the driver's word, not the peer's.
+  CUdeviceptr base = 0;
+  size_t size = 0;
+  const CUresult range = driver().cuMemGetAddressRange(&base, &size, address_);
+  if (range != CUDA_SUCCESS) {
+    close();  // no destructor runs for a constructor that throws
+    check(range, "cuMemGetAddressRange (an opened IPC handle)");
+  }
+  bytes_ = size;
+}
+
+CUdeviceptr PeerMapping::addressOf(const IpcExport& exported, uint64_t bytes) const {
+  if (exported.address < exported.start()) {
+    badPeerValue("buffer export", "address", exported.address, " is below its allocation's ",
+                 exported.start());
+  }
+  const uint64_t offset = exported.address - exported.start();
+  checkWithin("buffer export", "range", offset, bytes, bytes_);
+  return address_ + offset;
 }
 
 void PeerMapping::mapChunks(const IpcExport& exported, int ownerPidfd) {
@@ -65,6 +85,7 @@ void PeerMapping::mapChunks(const IpcExport& exported, int ownerPidfd) {
   const uint64_t span = last.base + last.size - exported.start();
   check(d.cuMemAddressReserve(&address_, span, 0, 0, 0), "cuMemAddressReserve");
   reserved_ = span;
+  bytes_ = span;
   for (const IpcChunk& chunk : exported.chunks) {
     const int fd = takeFd(ownerPidfd, chunk.ownerFd);
     CUmemGenericAllocationHandle handle = 0;
@@ -116,7 +137,7 @@ bool IpcCache::maps(const Entry& entry, const IpcExport& exported, int localDevi
 }
 
 void* IpcCache::acquire(const std::string& peer, int ownerPidfd, const IpcExport& exported,
-                        int localDevice) {
+                        int localDevice, uint64_t bytes) {
   const Key key{peer, exported.start()};
   auto it = entries_.find(key);
   if (it != entries_.end() && !maps(it->second, exported, localDevice)) {
@@ -138,9 +159,9 @@ void* IpcCache::acquire(const std::string& peer, int ownerPidfd, const IpcExport
   } else {
     lru_.splice(lru_.begin(), lru_, it->second.lru);
   }
+  const CUdeviceptr address = it->second.mapping->addressOf(exported, bytes);
   ++it->second.inFlight;
-  return reinterpret_cast<void*>(it->second.mapping->address() + exported.address -
-                                 exported.start());
+  return reinterpret_cast<void*>(address);
 }
 
 void IpcCache::done(const std::string& peer, const IpcExport& exported, int localDevice) {

@@ -27,6 +27,11 @@ class PeerMapping {
 
   // Where the owner's address `start()` of the export is mapped here.
   CUdeviceptr address() const { return address_; }
+  // How many bytes are mapped from there: the whole allocation, or the chunks' span.
+  uint64_t bytes() const { return bytes_; }
+  // Where the export's own address is mapped here, once its `bytes` bytes are found to lie in
+  // the mapping: throws BadPeerValue (PeerValue.h) for an export that reaches past it.
+  CUdeviceptr addressOf(const IpcExport& exported, uint64_t bytes) const;
 
  private:
   void openIpcHandle(const IpcExport& exported);
@@ -36,6 +41,7 @@ class PeerMapping {
   IpcExport::Kind kind_;
   int localDevice_;
   CUdeviceptr address_ = 0;
+  uint64_t bytes_ = 0;
   uint64_t reserved_ = 0;                                // kShareable: address range reserved
   std::vector<std::pair<uint64_t, uint64_t>> mapped_;  // kShareable: (offset, size) mapped
 };
@@ -51,9 +57,10 @@ class IpcCache {
   IpcCache(const IpcCache&) = delete;
   IpcCache& operator=(const IpcCache&) = delete;
 
-  // Mapped address of the exported buffer; counts a copy in flight until done() is called.
+  // Mapped address of the exported buffer, whose `bytes` bytes must lie in the mapping
+  // (PeerMapping::addressOf); counts a copy in flight until done() is called.
   void* acquire(const std::string& peer, int ownerPidfd, const IpcExport& exported,
-                int localDevice);
+                int localDevice, uint64_t bytes);
   void done(const std::string& peer, const IpcExport& exported, int localDevice);
   // Closes the peer's mappings of memory with these buffer or block ids (the owner freed or
   // unmapped it), each once its copies are done.

@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "engine/Error.h"
+#include "engine/PeerValue.h"
 #include "engine/cuda/CudaDriver.h"
 
 namespace smfree::engine::cuda {
@@ -158,15 +159,16 @@ void IpcExport::appendTo(std::string& out) const {
 IpcExport IpcExport::read(const char* data, size_t size) {
   Header header{};
   if (size < sizeof(header)) {
-    fail("malformed buffer export: ", size, " B, shorter than its ", sizeof(header), " B header");
+    badPeerValue("buffer export", "length", size, " B, shorter than its ", sizeof(header),
+                 " B header");
   }
   std::memcpy(&header, data, sizeof(header));
   const size_t expected = sizeof(header) + static_cast<size_t>(header.chunks) * sizeof(IpcChunk);
   const auto kind = static_cast<Kind>(header.kind);
   if (size != expected || (kind != Kind::kIpcHandle && kind != Kind::kShareable) ||
       (kind == Kind::kShareable) != (header.chunks > 0)) {
-    fail("malformed buffer export: kind ", header.kind, ", ", header.chunks, " chunks in ", size,
-         " B");
+    badPeerValue("buffer export", "kind", header.kind, " with ", header.chunks, " chunks in ", size,
+                 " B");
   }
   IpcExport e;
   e.kind = kind;
@@ -176,10 +178,19 @@ IpcExport IpcExport::read(const char* data, size_t size) {
   e.base = header.base;
   e.bufferId = header.bufferId;
   e.chunks.resize(header.chunks);
-  std::memcpy(e.chunks.data(), data + sizeof(header), header.chunks * sizeof(IpcChunk));
-  for (size_t i = 1; i < e.chunks.size(); ++i) {
-    if (e.chunks[i].base != e.chunks[i - 1].base + e.chunks[i - 1].size) {
-      fail("malformed buffer export: chunk ", i, " does not follow chunk ", i - 1);
+  // memcpy from or to null is undefined even for no bytes: an IPC handle has no chunks.
+  if (header.chunks > 0) {
+    std::memcpy(e.chunks.data(), data + sizeof(header), header.chunks * sizeof(IpcChunk));
+  }
+  for (size_t i = 0; i < e.chunks.size(); ++i) {
+    const IpcChunk& chunk = e.chunks[i];
+    // The span mapped (last end - first base) must neither wrap nor be empty.
+    if (chunk.size == 0 || chunk.base + chunk.size < chunk.base) {
+      badPeerValue("buffer export", "chunk size", "chunk ", i, " of ", chunk.size, " B at ",
+                   chunk.base);
+    }
+    if (i > 0 && chunk.base != e.chunks[i - 1].base + e.chunks[i - 1].size) {
+      badPeerValue("buffer export", "chunk base", "chunk ", i, " does not follow chunk ", i - 1);
     }
   }
   return e;

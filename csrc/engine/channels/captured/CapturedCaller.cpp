@@ -126,8 +126,7 @@ void CapturedChannel::queueDirect(CapturedOp& send, const PostedRecvs::Entry& re
   const cuda::IpcExport& destination = recv.recv.buffer;
   send.destinationMapping = std::make_unique<cuda::PeerMapping>(
       destination, recv.ownerPidfd ? recv.ownerPidfd->get() : -1, buffer.device);
-  send.destination =
-      send.destinationMapping->address() + (destination.address - destination.start());
+  send.destination = send.destinationMapping->addressOf(destination, buffer.bytes);
   send.receiverWords = recv.words;
   send.receiverReady = recv.recv.ready;
   send.receiverArrived = recv.recv.arrived;
@@ -184,8 +183,7 @@ void CapturedChannel::queueRecv(CapturedOp& recv) {
   void* full = words.cudaAddress(recv.source.full.index);
   takeWord(chain, waiting, full,
            "cuStreamBatchMemOp (captured recv: wait for its sender's slot)");
-  const CUdeviceptr slot = recv.sourceSlot->address() +
-                           (recv.source.memory.address - recv.source.memory.start());
+  const CUdeviceptr slot = recv.sourceSlot->addressOf(recv.source.memory, buffer.bytes);
   cuda::queueCopyThrough(chain, buffer.device, cuda::Place::of(buffer.data, buffer.device),
                          {slot, recv.source.memory.device}, buffer.bytes, recv.bounce,
                          "cuMemcpyAsync (captured recv, out of its sender's slot)");

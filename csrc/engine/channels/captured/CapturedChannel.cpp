@@ -101,13 +101,7 @@ bool CapturedChannel::progress() {
 void CapturedChannel::onNotice(Peer& source, const std::string& data) {
   thread_.check("CapturedChannel::onNotice");
   PostedRecvs::Entry entry;
-  try {
-    entry.recv = PostedRecv::read(data);
-  } catch (const Error& error) {
-    log(LogLevel::kError, "ignored a captured recv notice from ", source.describe(), ": ",
-        error.what());
-    return;
-  }
+  entry.recv = PostedRecv::read(data);  // a bad one fails the peer's ops (Engine)
   if (source.watch) {
     const int pidfd = ::dup(source.watch->fd());
     if (pidfd >= 0) entry.ownerPidfd = std::make_shared<cuda::OwnedFd>(pidfd);

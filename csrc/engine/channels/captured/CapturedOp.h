@@ -40,7 +40,7 @@ struct CapturedAnnouncement {
   CapturedSlot slot;  // kSlot only
 
   void appendTo(std::string& out) const;
-  // Throws Error on malformed bytes.
+  // Throws BadPeerValue (PeerValue.h) on malformed bytes or a word out of the flag segment.
   static CapturedAnnouncement read(const std::string& data);
 };
 

@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "engine/Error.h"
+#include "engine/PeerValue.h"
 
 namespace smfree::engine {
 namespace {
@@ -30,13 +31,20 @@ void PostedRecv::appendTo(std::string& out) const {
 }
 
 PostedRecv PostedRecv::read(const std::string& data) {
+  constexpr const char* kMessage = "captured recv notice";
   Header header{};
-  if (data.size() < sizeof(header)) fail("malformed captured recv notice: ", data.size(), " B");
-  std::memcpy(&header, data.data(), sizeof(header));
-  if (data.size() <= sizeof(header) + header.dtypeBytes) {
-    fail("malformed captured recv notice: ", data.size(), " B with a dtype of ",
-         header.dtypeBytes, " B");
+  if (data.size() < sizeof(header)) {
+    badPeerValue(kMessage, "length", data.size(), " B, shorter than its ", sizeof(header),
+                 " B header");
   }
+  std::memcpy(&header, data.data(), sizeof(header));
+  checkBelow(kMessage, "dtype length", header.dtypeBytes, kMaxDtypeBytes + 1);
+  if (data.size() <= sizeof(header) + header.dtypeBytes) {
+    badPeerValue(kMessage, "length", data.size(), " B with a dtype of ", header.dtypeBytes,
+                 " B and no buffer export");
+  }
+  checkFlag(kMessage, "ready flag index", header.ready);
+  checkFlag(kMessage, "arrived flag index", header.arrived);
   const char* at = data.data() + sizeof(header);
   PostedRecv recv;
   recv.group = header.group;
@@ -54,9 +62,14 @@ PostedRecv PostedRecv::read(const std::string& data) {
 void PostedRecvs::add(const std::string& peer, Entry entry) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    size_t& kept = perPeer_[peer];
+    if (kept >= kMaxPerPeer) {
+      badPeerValue("captured recv notice", "number of notices", peer, " has ", kept,
+                   " captured recv notices no send has taken, the most one peer may");
+    }
     const Line line{peer, entry.recv.group, entry.recv.tag};
     const uint64_t seq = entry.recv.seq;
-    lines_[line].insert_or_assign(seq, std::move(entry));
+    kept += lines_[line].insert_or_assign(seq, std::move(entry)).second ? 1 : 0;
   }
   added_.notify_all();
 }
@@ -76,7 +89,9 @@ std::optional<PostedRecvs::Entry> PostedRecvs::take(const std::string& peer, uin
   if (it == lines_.end()) return found;
   auto& notices = it->second;
   if (const auto mine = notices.find(seq); mine != notices.end()) found = std::move(mine->second);
-  notices.erase(notices.begin(), notices.upper_bound(seq));
+  const auto past = notices.upper_bound(seq);
+  perPeer_[peer] -= static_cast<size_t>(std::distance(notices.begin(), past));
+  notices.erase(notices.begin(), past);
   if (notices.empty()) lines_.erase(it);
   return found;
 }
@@ -86,6 +101,7 @@ void PostedRecvs::dropPeer(const std::string& peer) {
   for (auto it = lines_.begin(); it != lines_.end();) {
     it = std::get<0>(it->first) == peer ? lines_.erase(it) : std::next(it);
   }
+  perPeer_.erase(peer);
 }
 
 }  // namespace smfree::engine

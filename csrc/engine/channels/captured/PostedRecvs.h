@@ -30,7 +30,9 @@ struct PostedRecv {
   cuda::IpcExport buffer;
 
   void appendTo(std::string& out) const;
-  // Throws Error on malformed bytes.
+  // The longest dtype name a notice may carry.
+  static constexpr uint32_t kMaxDtypeBytes = 64;
+  // Throws BadPeerValue (PeerValue.h) on malformed bytes or a word out of the flag segment.
   static PostedRecv read(const std::string& data);
 };
 
@@ -44,7 +46,11 @@ class PostedRecvs {
     std::shared_ptr<cuda::RemoteFlagSegment> words;  // the receiver's, registered with CUDA
   };
 
-  // Progress thread: a notice from `peer` (its process key).
+  // Notices one peer may have kept here, not yet taken by a send.
+  static constexpr size_t kMaxPerPeer = size_t{1} << 16;
+
+  // Progress thread: a notice from `peer` (its process key). Throws BadPeerValue, keeping
+  // nothing, where the peer has kMaxPerPeer notices kept.
   void add(const std::string& peer, Entry entry);
   // Caller's thread, at a captured send's post: the posted recv that the send meets (its
   // group, peer and tag, its place `seq`), waiting up to `patience` for its notice. Forgets
@@ -60,6 +66,7 @@ class PostedRecvs {
   std::mutex mutex_;
   std::condition_variable added_;
   std::map<Line, std::map<uint64_t, Entry>> lines_;
+  std::map<std::string, size_t> perPeer_;  // of lines_' notices
 };
 
 }  // namespace smfree::engine

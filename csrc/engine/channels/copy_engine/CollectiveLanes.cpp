@@ -122,7 +122,7 @@ bool CollectiveLanes::writeHalf(CollectiveHalf& half, const Op& op, const PieceW
 void* CollectiveLanes::map(CollectivePiece& piece, const CollectiveHalf& theirs, int ownerPidfd) {
   cuda::IpcExport exported = cuda::IpcExport::read(theirs.exported, theirs.exportBytes);
   std::lock_guard<std::mutex> lock(mutex_);
-  void* address = ipc_.acquire(piece.peerKey, ownerPidfd, exported, piece.device);
+  void* address = ipc_.acquire(piece.peerKey, ownerPidfd, exported, piece.device, theirs.bytes);
   piece.mapped = std::move(exported);
   return address;
 }

@@ -1,9 +1,12 @@
 #include "engine/channels/copy_engine/CollectiveRecords.h"
 
 #include <chrono>
+#include <cstring>
 #include <thread>
 
 #include "engine/Error.h"
+#include "engine/PeerValue.h"
+#include "engine/Spin.h"
 
 namespace smfree::engine {
 namespace {
@@ -46,12 +49,28 @@ CollectiveSeen seeWay(uint32_t word, uint32_t use, bool sender) {
   return CollectiveSeen::kDecided;
 }
 
+constexpr const char* kHalf = "collective record";
+
 }  // namespace
+
+CollectiveHalf readHalf(const CollectiveHalf& shared) {
+  CollectiveHalf half;
+  std::memcpy(&half, &shared, sizeof(half));  // once: the peer may write it meanwhile
+  if (std::memchr(half.dtype, 0, kCollectiveDtypeBytes) == nullptr) {
+    badPeerValue(kHalf, "dtype", "no end within its ", kCollectiveDtypeBytes, " B");
+  }
+  checkBelow(kHalf, "export bytes", half.exportBytes, kCollectiveExportBytes + 1);
+  checkFlag(kHalf, "signal flag index", half.signal);
+  checkFlag(kHalf, "done flag index", half.done);
+  return half;
+}
 
 CollectiveRole decideCollective(CollectiveRecord& record, uint32_t use, bool sender,
                                 bool publishable, const CollectiveSecond& second) {
   const uint32_t rendezvous = wayValue(use, kRendezvous);
-  for (;;) {
+  // Each turn follows a change of the word by the other side, which makes a few at most.
+  SpinDeadline deadline(std::chrono::seconds(1), "a collective lane's decision");
+  for (;; deadline.check()) {
     const uint32_t seen = loadWay(record);
     switch (seeWay(seen, use, sender)) {
       case CollectiveSeen::kOpen:
@@ -61,7 +80,7 @@ CollectiveRole decideCollective(CollectiveRecord& record, uint32_t use, bool sen
         continue;
       case CollectiveSeen::kTheirs: {
         // A copy: the first reuses its half only once this use is decided.
-        const CollectiveHalf theirs = sender ? record.receiver : record.sender;
+        const CollectiveHalf theirs = readHalf(sender ? record.receiver : record.sender);
         if (!second.agree(theirs)) {
           if (swap(record, seen, rendezvous)) return CollectiveRole::kRendezvous;
           continue;
@@ -73,8 +92,9 @@ CollectiveRole decideCollective(CollectiveRecord& record, uint32_t use, bool sen
       case CollectiveSeen::kDecided:
         return CollectiveRole::kRendezvous;
       case CollectiveSeen::kOutOfStep:
-        fail("a collective lane's record still waits for use ", use - 1, " (way word ", seen,
-             "): its line is out of step");
+        // Its own side keeps the reuse rule: a word that breaks it came from the other.
+        badPeerValue(kHalf, "way word", seen, ": use ", use - 1,
+                     " still waits for its second side, its line is out of step");
     }
   }
 }
@@ -103,6 +123,7 @@ CollectiveRecord* CollectiveLines::line(uint64_t group, const std::string& sende
       continue;
     }
     if (index == kNone) return nullptr;
+    checkBelow("collective line table", "line number", index, kLines);
     return reinterpret_cast<CollectiveRecord*>(tail_ + kTableBytes + index * kLineBytes);
   }
   return nullptr;

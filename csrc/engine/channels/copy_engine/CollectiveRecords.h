@@ -68,9 +68,15 @@ struct CollectiveSecond {
   std::function<void()> undo;
 };
 
+// The one reader of the other side's half, which that side's process writes in shared memory:
+// its copy of the half, its dtype ended, its export's length and its words bounded. Throws
+// BadPeerValue (PeerValue.h).
+CollectiveHalf readHalf(const CollectiveHalf& shared);
+
 // A side's decision at its post of use `use`, having written its half (`publishable`: whether
-// that half is complete; if not, the side decides rendezvous where it comes first). Throws Error
-// where the record is out of step.
+// that half is complete; if not, the side decides rendezvous where it comes first). `second`
+// sees the other's half as readHalf() read it. Throws Error where the record is out of step,
+// BadPeerValue where the other's half is out of bounds.
 CollectiveRole decideCollective(CollectiveRecord& record, uint32_t use, bool sender,
                                 bool publishable, const CollectiveSecond& second);
 // The first side's op failed: true if no copy will come (cancelled now, or decided
@@ -89,7 +95,8 @@ class CollectiveLines {
 
   explicit CollectiveLines(char* tail) : tail_(tail) {}
   // The line's records; null where every line is taken (its pieces then go by rendezvous, as
-  // both sides find).
+  // both sides find). Throws BadPeerValue where the table, which peers write, names a line
+  // past kLines.
   CollectiveRecord* line(uint64_t group, const std::string& senderKey) const;
 
  private:

@@ -6,6 +6,7 @@
 #include <thread>
 
 #include "engine/Log.h"
+#include "engine/Spin.h"
 #include "engine/cuda/Bounce.h"
 #include "engine/cuda/Copies.h"
 #include "engine/cuda/CudaDriver.h"
@@ -106,7 +107,13 @@ void CopyEngineChannel::waitOnStream(void* stream, int device, const CudaFence& 
     if (lanes_.queueCopiesOut(*fence.eagerRecv, static_cast<CUstream>(stream))) return;
     // The progress thread took it meanwhile, at the match or the op's end, and sets `queued`
     // as it is done.
-    while (!flags_.isSet(fence.queued)) std::this_thread::yield();
+    // The progress thread already holds the copy out and sets `queued` once it is queued:
+    // the deadline only guards against a stuck progress thread.
+    SpinDeadline deadline(std::chrono::seconds(60), "a wait() for its recv's copy to be queued");
+    while (!flags_.isSet(fence.queued)) {
+      deadline.check();
+      std::this_thread::yield();
+    }
   }
   if (fence.copied) {
     fence.copied->waitOn(static_cast<CUstream>(stream));

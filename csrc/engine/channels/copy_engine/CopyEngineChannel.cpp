@@ -5,6 +5,7 @@
 #include "engine/Error.h"
 #include "engine/Log.h"
 #include "engine/Peer.h"
+#include "engine/PeerValue.h"
 #include "engine/channels/copy_engine/ChannelData.h"
 #include "engine/cuda/Copies.h"
 #include "engine/cuda/CudaDriver.h"
@@ -92,35 +93,19 @@ std::string CopyEngineChannel::armRecv(const std::shared_ptr<Op>& recv, Peer& so
   return toBytes(header) + destination + ring + eager;
 }
 
-CopyEngineChannel::Clearance CopyEngineChannel::readClearance(const Op& send, Peer& destination,
+CopyEngineChannel::Clearance CopyEngineChannel::takeClearance(const Op& send, Peer& destination,
                                                               const std::string& channelData) {
-  Clearance clearance;
-  if (channelData.size() < sizeof(ClearanceHeader)) {
-    fail("malformed clear-to-send for ", send.describe(), " (", channelData.size(), " B)");
+  ClearanceData read = readClearance(channelData);
+  if (read.ring) {
+    auto& known = remoteRings_[RingKey{destination.address.processKey, read.ring->device()}];
+    if (!known || known->bufferId() != read.ring->bufferId()) known = std::move(read.ring);
   }
-  std::memcpy(&clearance.header, channelData.data(), sizeof(ClearanceHeader));
-  const ClearanceHeader& header = clearance.header;
-  const size_t expected = sizeof(ClearanceHeader) + size_t{header.destinationBytes} +
-                          size_t{header.ringBytes} + size_t{header.eagerRingBytes};
-  if (channelData.size() != expected) {
-    fail("malformed clear-to-send for ", send.describe(), " (", channelData.size(),
-         " B, its header says ", expected, " B)");
-  }
-  const char* at = channelData.data() + sizeof(ClearanceHeader);
-  clearance.destination = cuda::IpcExport::read(at, header.destinationBytes);
-  if (header.ringBytes != 0) {
-    auto ring = RemoteStagingRing::read(at + header.destinationBytes, header.ringBytes);
-    auto& known = remoteRings_[RingKey{destination.address.processKey, ring->device()}];
-    if (!known || known->bufferId() != ring->bufferId()) known = std::move(ring);
-  }
-  if (header.eagerRingBytes != 0) {
+  if (read.eagerRing) {
     cuda::ContextGuard context(send.request.buffer.device);  // open() registers the words
-    lanes_.open(laneOf(send, destination.address.processKey),
-                RemoteStagingRing::read(at + header.destinationBytes + header.ringBytes,
-                                        header.eagerRingBytes),
+    lanes_.open(laneOf(send, destination.address.processKey), std::move(read.eagerRing),
                 flagsOf(destination));
   }
-  return clearance;
+  return Clearance{read.header, std::move(read.destination)};
 }
 
 void CopyEngineChannel::startSend(const std::shared_ptr<Op>& send, Peer& destination,
@@ -144,7 +129,7 @@ void CopyEngineChannel::startSend(const std::shared_ptr<Op>& send, Peer& destina
   }
   Transfer transfer{.op = send,
                     .peer = &destination,
-                    .clearance = readClearance(*send, destination, channelData)};
+                    .clearance = takeClearance(*send, destination, channelData)};
   transfer.peerFlags = &flagsOf(destination);
   const uint64_t bytes = send->request.buffer.bytes;
   if (stageable(bytes)) {
@@ -204,7 +189,8 @@ void CopyEngineChannel::enqueueCopy(const Transfer& transfer, CUstream stream) {
   const int device = send.request.buffer.device;
   const int ownerPidfd = peer.watch ? peer.watch->fd() : -1;
   void* destination =
-      ipc_.acquire(peer.address.processKey, ownerPidfd, clearance.destination, device);
+      ipc_.acquire(peer.address.processKey, ownerPidfd, clearance.destination, device,
+                   send.request.buffer.bytes);
   try {
     cuda::queueCopy(stream, device, cuda::Place::of(destination, clearance.destination.device),
                     cuda::Place::of(send.request.buffer.data, device), send.request.buffer.bytes,

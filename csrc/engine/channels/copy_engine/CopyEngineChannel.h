@@ -16,6 +16,7 @@
 #include "engine/Channel.h"
 #include "engine/CudaOps.h"
 #include "engine/ProgressThread.h"
+#include "engine/channels/copy_engine/ChannelData.h"
 #include "engine/channels/copy_engine/CopyEngineOp.h"
 #include "engine/channels/copy_engine/CollectiveLanes.h"
 #include "engine/channels/copy_engine/EagerLanes.h"
@@ -111,18 +112,6 @@ class CopyEngineChannel final : public Channel {
   void addStats(std::map<std::string, int64_t>& stats) const override;
 
  private:
-  // The fixed part of the receiver's clear-to-send: its flags and op, then the sizes of the
-  // buffer's export, of its staging ring and of its eager ring (0 when none), which follow.
-  struct ClearanceHeader {
-    cuda::Flag ready;
-    cuda::Flag queued;
-    cuda::Flag done;
-    uint64_t recvId;
-    uint32_t destinationBytes;
-    uint32_t ringBytes;
-    uint32_t eagerRingBytes;
-    uint32_t unused;
-  };
   struct Clearance {
     ClearanceHeader header;
     cuda::IpcExport destination;
@@ -147,7 +136,8 @@ class CopyEngineChannel final : public Channel {
   };
   using RingKey = std::pair<std::string, int>;  // (peer's process key, ring's device)
 
-  Clearance readClearance(const Op& send, Peer& destination, const std::string& channelData);
+  // The clear-to-send's data (readClearance), its rings kept for later sends.
+  Clearance takeClearance(const Op& send, Peer& destination, const std::string& channelData);
   bool stageable(uint64_t bytes) const;
   // The peer's flag segment, mapped on first use (any thread).
   cuda::RemoteFlagSegment& flagsOf(const Peer& peer);

@@ -13,21 +13,6 @@
 namespace smfree::engine {
 namespace {
 
-// An eager send's announcement data: which slot of its lane's ring holds it, and whether its
-// copy was held at the post (the slot still full).
-struct EagerNotice {
-  int32_t ringDevice;
-  uint32_t slot;
-  uint32_t use;
-  uint32_t held;
-};
-
-EagerNotice readEagerNotice(const std::string& data, const Peer& source) {
-  const auto notice = fromBytes<EagerNotice>(data);
-  if (!notice) fail("malformed eager announcement (", data.size(), " B) from ", source.describe());
-  return *notice;
-}
-
 EagerSlot slotOf(const EagerNotice& notice) {
   return EagerSlot{StagedSlot{notice.slot, notice.use}, notice.ringDevice};
 }
@@ -77,9 +62,10 @@ bool CopyEngineChannel::outlivesWait(const Op& op) const {
 
 void CopyEngineChannel::announced(Peer& source, const ReadyToSend& rts) {
   try {
-    readEagerNotice(rts.channelData, source);
+    readEagerNotice(rts.channelData);
   } catch (const Error& error) {
-    log(LogLevel::kError, error.what());
+    // Its match reads it again and fails the ops of that peer.
+    log(LogLevel::kError, "from ", source.describe(), ": ", error.what());
     return;
   }
   lanes_.announced(LaneKey{source.address.processKey, rts.group, rts.tag}, rts.seq);
@@ -87,7 +73,7 @@ void CopyEngineChannel::announced(Peer& source, const ReadyToSend& rts) {
 
 std::string CopyEngineChannel::armEager(const std::shared_ptr<Op>& recv, Peer& source,
                                         const std::string& announced) {
-  const EagerNotice notice = readEagerNotice(announced, source);
+  const EagerNotice notice = readEagerNotice(announced);
   const EagerSlot eager = slotOf(notice);
   const std::shared_ptr<StagingRing> ring = lanes_.ring(laneOf(*recv, source.address.processKey));
   if (!ring || ring->device() != eager.device || eager.staged.slot >= ring->slots()) {
@@ -198,7 +184,7 @@ void CopyEngineChannel::discard(Peer& source, const ReadyToSend& rts, Op* recv) 
     if (eagerRecv && !eagerRecv->claimBy(EagerRecv::kByProgress)) return;
   }
   try {
-    const EagerNotice notice = readEagerNotice(rts.channelData, source);
+    const EagerNotice notice = readEagerNotice(rts.channelData);
     const EagerSlot eager = slotOf(notice);
     const auto ring = lanes_.ring(LaneKey{source.address.processKey, rts.group, rts.tag});
     if (!ring || eager.staged.slot >= ring->slots()) return;

@@ -16,15 +16,6 @@
 namespace smfree::engine {
 namespace {
 
-// A sender's ChannelNotice: which slot of the receiver's ring a send was copied into.
-struct StagedNotice {
-  uint64_t recvId;
-  int32_t ringDevice;
-  uint32_t slot;
-  uint32_t use;
-  uint32_t unused;
-};
-
 }  // namespace
 
 bool CopyEngineChannel::stageable(uint64_t bytes) const {
@@ -86,13 +77,7 @@ void CopyEngineChannel::enqueueStagedCopy(Transfer& send, const StagedSlot& slot
 }
 
 void CopyEngineChannel::onNotice(Peer& source, const std::string& data) {
-  const auto read = fromBytes<StagedNotice>(data);
-  if (!read) {
-    log(LogLevel::kError, "ignored a malformed staging notice (", data.size(), " B) from ",
-        source.describe());
-    return;
-  }
-  const StagedNotice& notice = *read;
+  const StagedNotice notice = readStagedNotice(data);
   const auto ringIt = rings_.find(RingKey{source.address.processKey, notice.ringDevice});
   if (ringIt == rings_.end() || !ringIt->second || notice.slot >= ringIt->second->slots()) {
     log(LogLevel::kError, "ignored a staging notice from ", source.describe(),

@@ -4,6 +4,7 @@
 
 #include "engine/Error.h"
 #include "engine/Log.h"
+#include "engine/Spin.h"
 #include "engine/cuda/Copies.h"
 #include "engine/cuda/CudaDriver.h"
 #include "engine/cuda/StreamMemoryOps.h"
@@ -21,7 +22,9 @@ std::optional<Way> decideWay(volatile uint32_t* word, const cuda::Flag& way, uin
   uint32_t* plain = const_cast<uint32_t*>(word);
   const uint32_t eager = way.value + 2 * use;
   uint32_t seen = __atomic_load_n(plain, __ATOMIC_ACQUIRE);
-  while (!cuda::reached(seen, eager)) {
+  // Each turn follows a change of the word by the other side, which makes one at most.
+  SpinDeadline deadline(std::chrono::seconds(1), "an eager lane's decision of a way");
+  for (; !cuda::reached(seen, eager); deadline.check()) {
     const uint32_t decided = eager + static_cast<uint32_t>(mine);
     if (__atomic_compare_exchange_n(plain, &seen, decided, false, __ATOMIC_ACQ_REL,
                                     __ATOMIC_ACQUIRE)) {

@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "engine/Error.h"
+#include "engine/PeerValue.h"
 #include "engine/cuda/CudaDriver.h"
 
 namespace smfree::engine {
@@ -57,17 +58,24 @@ void StagingRing::releaseWaits() const {
 }
 
 std::shared_ptr<RemoteStagingRing> RemoteStagingRing::read(const char* data, size_t size) {
+  constexpr const char* kMessage = "staging ring";
   RingHeader header{};
   if (size < sizeof(header)) {
-    fail("malformed staging ring: ", size, " B, shorter than its ", sizeof(header), " B header");
+    badPeerValue(kMessage, "length", size, " B, shorter than its ", sizeof(header), " B header");
   }
   std::memcpy(&header, data, sizeof(header));
+  if (header.slots == 0 || header.slots > kMaxRemoteSlots) {
+    badPeerValue(kMessage, "slot count", header.slots, " is not 1 to ", kMaxRemoteSlots);
+  }
+  checkBelow(kMessage, "ways", header.ways, 2);
+  // Slots of at most 1 TiB: their product with the count cannot overflow.
+  if (header.slotBytes == 0 || header.slotBytes > kMaxRemoteSlotBytes) {
+    badPeerValue(kMessage, "slot bytes", header.slotBytes, " is not 1 to ", kMaxRemoteSlotBytes);
+  }
   const size_t slotWordBytes = static_cast<size_t>(header.slots) * sizeof(cuda::Flag);
   const size_t wordBytes = slotWordBytes * (header.ways ? 2 : 1);
-  if (header.slots == 0 || header.slots > 64 || header.slotBytes == 0 || header.ways > 1 ||
-      size < sizeof(header) + wordBytes) {
-    fail("malformed staging ring: ", header.slots, " slots of ", header.slotBytes, " B in ",
-         size, " B");
+  if (size < sizeof(header) + wordBytes) {
+    badPeerValue(kMessage, "length", size, " B for ", header.slots, " slots' words");
   }
   auto ring = std::make_shared<RemoteStagingRing>();
   ring->slotBytes_ = header.slotBytes;
@@ -77,10 +85,12 @@ std::shared_ptr<RemoteStagingRing> RemoteStagingRing::read(const char* data, siz
     ring->ways_.resize(header.slots);
     std::memcpy(ring->ways_.data(), data + sizeof(header) + slotWordBytes, slotWordBytes);
   }
+  for (const cuda::Flag& word : ring->words_) checkFlag(kMessage, "slot flag index", word);
+  for (const cuda::Flag& way : ring->ways_) checkFlag(kMessage, "way flag index", way);
   ring->exported_ = cuda::IpcExport::read(data + sizeof(header) + wordBytes,
                                           size - sizeof(header) - wordBytes);
   if (ring->exported_.kind != cuda::IpcExport::Kind::kIpcHandle) {
-    fail("malformed staging ring: its memory is not exported as an IPC handle");
+    badPeerValue(kMessage, "export kind", "its memory is not exported as an IPC handle");
   }
   ring->uses_.assign(header.slots, 0);
   return ring;
@@ -102,7 +112,10 @@ void RemoteStagingRing::take(const StagedSlot& staged) {
 CUdeviceptr RemoteStagingRing::slotAddress(const StagedSlot& staged, int localDevice) {
   auto& mapping = mappings_[localDevice];
   if (!mapping) {
-    mapping = std::make_unique<cuda::PeerMapping>(exported_, -1, localDevice);
+    auto mapped = std::make_unique<cuda::PeerMapping>(exported_, -1, localDevice);
+    // The ring's geometry against the memory mapped: every slot's copy lands inside it.
+    mapped->addressOf(exported_, slotBytes_ * uses_.size());
+    mapping = std::move(mapped);
   }
   return mapping->address() + static_cast<CUdeviceptr>(staged.slot) * slotBytes_;
 }

@@ -91,7 +91,12 @@ class StagingRing {
 // The sender's side: a receiver's ring, mapped per local device on first use.
 class RemoteStagingRing {
  public:
-  // Reads what StagingRing::appendTo wrote; throws Error on malformed bytes.
+  // The most slots a peer's ring may say it has.
+  static constexpr uint32_t kMaxRemoteSlots = 64;
+  static constexpr uint64_t kMaxRemoteSlotBytes = uint64_t{1} << 40;
+  // Reads what StagingRing::appendTo wrote; throws BadPeerValue (PeerValue.h) on malformed
+  // bytes or a word out of the flag segment. Its geometry is checked against its memory where
+  // that is mapped (slotAddress()).
   static std::shared_ptr<RemoteStagingRing> read(const char* data, size_t size);
 
   // The next slot in turn if the receiver has emptied its last use.

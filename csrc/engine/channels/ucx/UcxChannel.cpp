@@ -8,6 +8,7 @@
 #include "engine/Error.h"
 #include "engine/Log.h"
 #include "engine/Peer.h"
+#include "engine/PeerValue.h"
 #include "engine/cuda/CudaDriver.h"
 #include "engine/transports/ucx/UcxStatus.h"
 
@@ -314,21 +315,21 @@ std::string UcxChannel::armRecv(const std::shared_ptr<Op>& recv, Peer& source,
 void UcxChannel::startSend(const std::shared_ptr<Op>& send, Peer& destination,
                            const std::string& channelData) {
   thread_.check("UcxChannel::startSend");
+  // The clear-to-send's data, read and bounded here (PeerValue.h): the receiver's tag and
+  // piece size, which may not cut the send into more than kMostPieces.
+  constexpr const char* kMessage = "UCX clear-to-send's channel data";
   ucp_tag_t tag = 0;
   uint64_t pieceBytes = 0;
   const uint64_t bytes = send->request.buffer.bytes;
   if (channelData.size() != sizeof(tag) + sizeof(pieceBytes)) {
-    onDone_(send, Status::failure(StatusCode::kTransport,
-                                  concat("malformed clear-to-send for ", send->describe())));
-    return;
+    badPeerValue(kMessage, "length", channelData.size(), " B, expected ",
+                 sizeof(tag) + sizeof(pieceBytes), " B");
   }
   std::memcpy(&tag, channelData.data(), sizeof(tag));
   std::memcpy(&pieceBytes, channelData.data() + sizeof(tag), sizeof(pieceBytes));
-  if (pieceBytes != 0 && (bytes + pieceBytes - 1) / pieceBytes > kMostPieces) {
-    onDone_(send, Status::failure(StatusCode::kTransport,
-                                  concat("clear-to-send for ", send->describe(), " asks for ",
-                                         pieceBytes, " B pieces, too many")));
-    return;
+  if (pieceBytes != 0 && bytes / pieceBytes + (bytes % pieceBytes != 0) > kMostPieces) {
+    badPeerValue(kMessage, "piece bytes", pieceBytes, " B cut ", send->describe(),
+                 " into more than ", kMostPieces, " pieces");
   }
   auto prepared = movements_.find(send->id);  // staged: its copies out queued at its post
   Movement& movement =
