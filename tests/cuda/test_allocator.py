@@ -108,17 +108,15 @@ def _memory_freed_by_its_owner(rank, world):
         del warm
         return received, returned
     before = backend._stats()["ipc_mappings"]
-    sent = torch.full((2 << 30,), 7, dtype=torch.uint8, device=dev)
-    dist.send(sent, 1)
+    dist.send(torch.full((2 << 30,), 7, dtype=torch.uint8, device=dev), 1)
     during = backend._stats()["ipc_mappings"]  # the copy is still running: rank 1 waits for it
     torch.cuda.synchronize()
-    # Where the ranks share a GPU, rank 1 counts this rank's memory too: hand it back.
-    del sent
-    torch.cuda.empty_cache()
     dist.barrier()
     return before, during, backend._stats()["ipc_mappings"]
 
 
+@pytest.mark.distinct_gpus("reads its GPU's free memory, which on a shared GPU counts every other "
+                           "process's allocations (failed so on one H200 beside other tests)")
 @pytest.mark.parametrize("cuda_channel", channels.params(channels.COPY_ENGINE))
 @pytest.mark.parametrize("alloc_conf", [{}, EXPANDABLE], ids=["cudaMalloc", "expandable"])
 def test_memory_freed_by_its_owner_is_unmapped_by_its_peer(cuda_channel, alloc_conf):

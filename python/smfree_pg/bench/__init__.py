@@ -33,8 +33,8 @@ prints its figures and writes every figure to a JSON file (schema in `report.new
 which `python -m smfree_pg.bench.plot` draws PNG plots. 1 GB = 1e9 bytes.
 
 On CUDA it spawns one rank per visible GPU itself, at least 2. Where ranks share a GPU (one GPU,
-more ranks than GPUs, or the shared_gpu section) every rank runs on cuda:0 and only the sections
-that run there do (shared_gpu, starvation: smfree alone, NCCL refuses two ranks on one GPU):
+more ranks than GPUs, or the shared_gpu section) every rank runs on cuda:0 and only shared_gpu
+runs (smfree alone: NCCL refuses two ranks on one GPU):
 
     python -m smfree_pg.bench
     python -m smfree_pg.bench --only shared_gpu --json out/shared.json

@@ -93,7 +93,8 @@ def plan_ranks(args, sections: dict, gpus: int, ranks: int | None) -> tuple[int,
     `ranks`: --nproc, or torchrun's ranks per host (None: the default). Ranks share a GPU where a
     chosen section runs only there (shared_gpu), or where there are fewer GPUs than ranks. A
     section that needs a GPU per rank (NCCL, its reference, refuses two ranks on one GPU) is then
-    refused, naming what runs instead; where --only was not given, the sections that cannot run
+    refused, naming what runs instead (NCCL, the reference of most, refuses two ranks on one GPU,
+    and a hold of every SM needs a GPU per rank); where --only was not given, the sections that cannot run
     with this placement are left out."""
     def runs(name: str, placement: str) -> bool:
         return placement in sections[name].PLACEMENTS
@@ -110,9 +111,8 @@ def plan_ranks(args, sections: dict, gpus: int, ranks: int | None) -> tuple[int,
     if per_rank and too_few:
         instead = ",".join(name for name, section in sections.items()
                            if runs(name, "shared") and "cuda" in section.DEVICES)
-        sys.exit(f"smfree bench: {', '.join(per_rank)} need a GPU per rank (NCCL refuses two "
-                 f"ranks on one GPU); with {gpus} GPU(s) for {ranks or 2} ranks run "
-                 f"--only {instead}")
+        sys.exit(f"smfree bench: {', '.join(per_rank)} need a GPU per rank; with {gpus} "
+                 f"GPU(s) for {ranks or 2} ranks run --only {instead}")
     if per_rank:
         on_one = [name for name in args.only if not runs(name, "own")]
         sys.exit(f"smfree bench: {', '.join(on_one)} put every rank on one GPU and "

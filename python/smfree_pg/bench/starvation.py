@@ -9,15 +9,8 @@ queued the same way (after, or the GPU was not held). Every op's bytes are check
 
 Copies within one GPU (eager copies out of a slot, a captured send's copy into its slot, ops to
 the rank itself) run as SMFREE_LOCAL_COPIES says: by default in two copy-engine hops through a
-peer GPU, or through pinned host memory where there is none; run with driver to see the paths
-that take the driver's copies, which CUDA 13.0 drivers run on SMs, end only after the hold.
-
-Where the pair shares one GPU (every copy between them is then within it), each rank holds
-every SM with its own kernel: the processes' contexts take turns on the GPU (time slices; no
-MPS), and in each of its slices a rank's own hold fills every SM, so a kernel or SM copy of that
-rank waits for its own hold, as its control shows; copy engines and stream memory operations
-run whatever the slices. Under MPS the two kernels would compete for the same SMs instead, and
-a control that ends during its rank's hold reports the GPU as not held.
+peer GPU; run with driver to see the paths that take the driver's copies, which CUDA 13.0
+drivers run on SMs, end only after the hold.
 
 `held_paths` is also what tests/cuda/test_zero_sm.py asserts on.
 """
@@ -37,7 +30,9 @@ from smfree_pg.bench.sizes import format_size, parse_sizes
 
 NAME = "starvation"
 DEVICES = ("cuda",)
-PLACEMENTS = ("own", "shared")
+# A GPU per rank: processes sharing a GPU are time-sliced (without MPS), so one's kernel never
+# holds the SMs against another's work (on one H200 the control kernel ended during the hold).
+PLACEMENTS = ("own",)
 
 
 def add_arguments(parser) -> None:
@@ -237,17 +232,12 @@ class Paths:
                 self.check(dst, self.peer, name)
 
 
-COLLECTIVE_SIZES = [1 << 20, 64 << 20]
-# What the collectives path calls: all on the copy engines, or some would go to NCCL.
-COLLECTIVES = {"all_gather", "all_to_all", "broadcast"}
-
-
 def held_paths(group, rank: int, peer: int, device: torch.device, sync: Callable, *,
                sizes: list[int], captured_sizes: list[int], hold_ms: float,
-               smfree: bool = True, collectives: bool = True) -> dict[str, dict]:
+               smfree: bool = True) -> dict[str, dict]:
     """When each path's ops ended under a hold, on this rank (ranks `rank` and `peer` both run
     it). Ops to the rank itself, unbatched captures and recvs from any source only where
-    `smfree`; the collectives only with `collectives`."""
+    `smfree`."""
     paths = Paths(group, rank, peer, device, sync, hold_ms)
     paths.bare_copy()
     paths.exchanges(sizes)
@@ -257,28 +247,14 @@ def held_paths(group, rank: int, peer: int, device: torch.device, sync: Callable
     # hang).
     orders = [("batched", exchange)] + ([("unbatched", unbatched)] if smfree else [])
     paths.captured(captured_sizes, orders)
-    if collectives and dist.get_world_size(group) == 2:  # the group must be the pair
-        paths.collectives(COLLECTIVE_SIZES)
+    if dist.get_world_size(group) == 2:  # collectives need the group to be the pair
+        paths.collectives([1 << 20, 64 << 20])
     if smfree:
         paths.any_source(1 << 20)
     return paths.seen
 
 
-def all_collectives_on_copy_engines() -> bool:
-    """Whether smfree runs every collective of the path on the copy engines, at every size."""
-    from smfree_pg import _C
-
-    return (COLLECTIVES <= set(_C._collectives_on_copy_engines()) and
-            _C._collective_min_bytes() <= min(COLLECTIVE_SIZES))
-
-
 def run(ctx: Ctx, args) -> dict:
-    # Where ranks share a GPU, a collective smfree hands to NCCL would fail: NCCL refuses that.
-    collectives = not ctx.shared_gpu or all_collectives_on_copy_engines()
-    if not collectives:
-        log(ctx, "starvation: collectives left out: ranks share a GPU, which NCCL refuses, and "
-            "SMFREE_COLLECTIVES / SMFREE_COLLECTIVE_MIN_BYTES leave some of them to NCCL (set "
-            "SMFREE_COLLECTIVES=all SMFREE_COLLECTIVE_MIN_BYTES=0)")
     results = {}
     for backend in ctx.backends:
         log(ctx, f"starvation: {backend}")
@@ -288,8 +264,7 @@ def run(ctx: Ctx, args) -> dict:
                               StoreSync([0, 1], ctx.rank, f"starvation/{backend}"),
                               sizes=args.starvation_sizes,
                               captured_sizes=args.starvation_captured_sizes,
-                              hold_ms=args.starvation_hold_ms, smfree=backend == "smfree",
-                              collectives=collectives)
+                              hold_ms=args.starvation_hold_ms, smfree=backend == "smfree")
         results[backend] = gather(ctx, seen)[:2]
         barrier(ctx)
     return {"pair": [0, 1], "reference": ctx.reference, "hold_ms": args.starvation_hold_ms,
@@ -300,18 +275,16 @@ def run(ctx: Ctx, args) -> dict:
 
 
 def print_section(section: dict) -> None:
-    reference = section["reference"]  # None where the ranks share a GPU: smfree alone
-    held = "the GPU both ranks share" if reference is None else "both GPUs"
-    print(f"\nStarvation: a kernel holds every SM of {held} for {section['hold_ms']:.0f} ms; "
+    reference = section["reference"]
+    print(f"\nStarvation: a kernel holds every SM of both GPUs for {section['hold_ms']:.0f} ms; "
           "when each path's ops ended (ms after the hold began, the later of the pair's two "
           "ranks); 'during' = needed no SM")
-    backends = ["smfree"] + ([reference] if reference else [])
-    ours = section["ranks"]["smfree"]
+    ours, theirs = section["ranks"]["smfree"], section["ranks"][reference]
     names = list(ours[0])
     rows = []
     for name in names:
         row = [name]
-        for ranks in (section["ranks"][backend] for backend in backends):
+        for ranks in (ours, theirs):
             if name not in ranks[0]:
                 row += ["-", ""]
                 continue
@@ -320,5 +293,5 @@ def print_section(section: dict) -> None:
             row += [num(ended), "during" if during else "after"]
         row.append(num(max(r[name]["held_ms"] for r in ours)))
         rows.append(row)
-    header = [part for backend in backends for part in (f"{backend} ms", "")]
-    print(format_table(["path"] + header + ["hold ms"], rows), flush=True)
+    print(format_table(["path", "smfree ms", "", f"{reference} ms", "", "hold ms"], rows),
+          flush=True)
