@@ -65,6 +65,9 @@ def test_mismatch_fails_on_both_ranks_naming_both_sides(channel, send, recv, nam
 
 def _never_matched(rank, world):
     dev = rank_device(rank)
+    # The barriers' group connects now, under no timeout of its own: rank 0 reaches the next
+    # barrier only once its 2 s group timeout has passed.
+    dist.barrier()
     if rank == 1:
         time.sleep(0.2)
         dist.barrier()  # rank 0 has timed out by the time this returns
