@@ -1,8 +1,8 @@
 #include "engine/channels/copy_engine/CollectiveProtocol.h"
 
 #include "engine/Error.h"
-#include "engine/Peer.h"
 #include "engine/channels/copy_engine/CopyEngineOp.h"
+#include "engine/channels/copy_engine/CopyEnginePeer.h"
 
 namespace smfree::engine {
 
@@ -75,7 +75,7 @@ bool CollectiveProtocol::finish(CollectiveTransfer& transfer) {
 }
 
 void CollectiveProtocol::peerFailed(const Peer& peer, const Status& gone) {
-  const std::string& key = peer.address.processKey;
+  const std::string& key = processKeyOf(peer);
   for (auto it = moving_.begin(); it != moving_.end();) {
     CollectivePiece& piece = *copyEngineOp(*it->op).collective;
     if (piece.peerKey != key) {

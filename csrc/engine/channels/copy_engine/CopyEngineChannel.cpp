@@ -7,6 +7,7 @@
 #include "engine/Peer.h"
 #include "engine/channels/copy_engine/ChannelData.h"
 #include "engine/channels/copy_engine/CopyEngineOp.h"
+#include "engine/channels/copy_engine/CopyEnginePeer.h"
 
 namespace smfree::engine {
 
@@ -22,6 +23,12 @@ CopyEngineChannel::CopyEngineChannel(CudaOps& cudaOps, const ProgressThread& thr
       eager_(context_, eagerBytes),
       collective_(context_, std::move(processKey), ipcCacheSize, collectiveLanes),
       release_(std::move(release)) {}
+
+const std::string& processKeyOf(const Peer& peer) { return peer.address.processKey; }
+
+int pidfdOf(const Peer& peer) { return peer.watch ? peer.watch->fd() : -1; }
+
+std::string describePeer(const Peer& peer) { return peer.describe(); }
 
 bool CopyEngineChannel::reaches(const Peer& peer) const { return peer.sameHost; }
 
@@ -97,8 +104,7 @@ void CopyEngineChannel::startSend(const std::shared_ptr<Op>& send, Peer& destina
   ClearanceData read = readClearance(channelData);
   staged_.learn(destination, std::move(read.ring));
   cuda::RemoteFlagSegment& theirs =
-      context_.flagsOf(destination.address.processKey, destination.address,
-                       destination.watch ? destination.watch->fd() : -1);
+      context_.flagsOf(destination.address.processKey, destination.address, pidfdOf(destination));
   eager_.open(*send, destination, std::move(read.eagerRing), theirs);
   staged_.start(ClearedSend{send, &destination, &theirs, read.header,
                             std::move(read.destination)});  // held for a slot, or direct

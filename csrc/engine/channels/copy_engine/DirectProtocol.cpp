@@ -1,8 +1,8 @@
 #include "engine/channels/copy_engine/DirectProtocol.h"
 
 #include "engine/Error.h"
-#include "engine/Peer.h"
 #include "engine/channels/copy_engine/CopyEngineOp.h"
+#include "engine/channels/copy_engine/CopyEnginePeer.h"
 #include "engine/cuda/Copies.h"
 #include "engine/cuda/CudaDriver.h"
 #include "engine/cuda/StreamMemoryOps.h"
@@ -21,7 +21,7 @@ std::string DirectProtocol::exportDestination(const Op& recv, const Peer& source
   const Buffer& buffer = recv.request.buffer;
   std::string destination;
   context_.exporter()
-      .exportBuffer(buffer.data, buffer.bytes, buffer.device, source.address.processKey)
+      .exportBuffer(buffer.data, buffer.bytes, buffer.device, processKeyOf(source))
       .appendTo(destination);
   return destination;
 }
@@ -82,8 +82,8 @@ void DirectProtocol::enqueueCopy(const ClearedSend& send, CUstream stream) {
                       "cuStreamWaitValue32 (ready)");
   }
   const int device = op.request.buffer.device;
-  const int ownerPidfd = peer.watch ? peer.watch->fd() : -1;
-  void* destination = context_.ipc().acquire(peer.address.processKey, ownerPidfd,
+  const int ownerPidfd = pidfdOf(peer);
+  void* destination = context_.ipc().acquire(processKeyOf(peer), ownerPidfd,
                                              send.destination, device, op.request.buffer.bytes);
   try {
     cuda::queueCopy(stream, device, cuda::Place::of(destination, send.destination.device),
@@ -96,7 +96,7 @@ void DirectProtocol::enqueueCopy(const ClearedSend& send, CUstream stream) {
     cuda::writeWord(stream, peerFlags.cudaAddress(copied.index), copied.value,
                     "cuStreamWriteValue32 (done)");
   } catch (const Error&) {
-    context_.ipc().done(peer.address.processKey, send.destination, device);
+    context_.ipc().done(processKeyOf(peer), send.destination, device);
     throw;
   }
 }
@@ -136,7 +136,7 @@ bool DirectProtocol::finish(DirectSend& send) {
                              concat(op.describe(), " failed: ", reasonOf(error)));
   }
   moveTo(send, status.ok() ? DirectSendState::kLanded : DirectSendState::kFailed);
-  context_.ipc().done(send.send.peer->address.processKey, send.send.destination,
+  context_.ipc().done(processKeyOf(*send.send.peer), send.send.destination,
                       op.request.buffer.device);
   context_.end(send.send.op, status);
   return true;

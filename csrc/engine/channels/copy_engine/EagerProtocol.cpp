@@ -2,9 +2,9 @@
 
 #include "engine/Error.h"
 #include "engine/Log.h"
-#include "engine/Peer.h"
 #include "engine/channels/copy_engine/ChannelData.h"
 #include "engine/channels/copy_engine/CopyEngineOp.h"
+#include "engine/channels/copy_engine/CopyEnginePeer.h"
 #include "engine/cuda/CudaDriver.h"
 
 namespace smfree::engine {
@@ -63,7 +63,7 @@ void EagerProtocol::open(const Op& send, const Peer& destination,
                          cuda::RemoteFlagSegment& words) {
   if (!ring) return;
   cuda::ContextGuard context(send.request.buffer.device);  // open() registers the words
-  lanes_.open(CopyEngineContext::laneOf(send, destination.address.processKey), std::move(ring),
+  lanes_.open(CopyEngineContext::laneOf(send, processKeyOf(destination)), std::move(ring),
               words);
 }
 
@@ -73,7 +73,7 @@ void EagerProtocol::announced(const Peer& source, const std::string& channelData
     readEagerNotice(channelData);
   } catch (const Error& error) {
     // Its match reads it again and fails the ops of that peer.
-    log(LogLevel::kError, "from ", source.describe(), ": ", error.what());
+    log(LogLevel::kError, "from ", describePeer(source), ": ", error.what());
     return;
   }
   lanes_.announced(lane, seq);
@@ -84,7 +84,7 @@ std::string EagerProtocol::ringData(const Op& recv, const Peer& source) {
   const Buffer& buffer = recv.request.buffer;
   if (buffer.bytes <= lanes_.slotBytes()) {
     const auto ring =
-        lanes_.ringFor(CopyEngineContext::laneOf(recv, source.address.processKey), buffer.device);
+        lanes_.ringFor(CopyEngineContext::laneOf(recv, processKeyOf(source)), buffer.device);
     if (ring) ring->appendTo(eager);
   }
   return eager;
@@ -95,7 +95,7 @@ std::string EagerProtocol::arm(const std::shared_ptr<Op>& recv, Peer& source,
   const EagerNotice notice = readEagerNotice(announced);
   const EagerSlot eager = slotOf(notice);
   const std::shared_ptr<StagingRing> ring =
-      lanes_.ring(CopyEngineContext::laneOf(*recv, source.address.processKey));
+      lanes_.ring(CopyEngineContext::laneOf(*recv, processKeyOf(source)));
   if (!ring || ring->device() != eager.device || eager.staged.slot >= ring->slots()) {
     fail(recv->describe(), " matched an eager send whose slot (cuda:", eager.device, " slot ",
          eager.staged.slot, ") this process does not have");
@@ -146,7 +146,7 @@ void EagerProtocol::discard(const Peer& source, const std::string& channelData,
     cuda::ContextGuard context(ring->device());
     context_.enqueueEmptying(*ring, eager.staged, context_.copyOutStream(ring->device()));
   } catch (const Error& error) {
-    log(LogLevel::kError, "an eager slot of ", source.describe(), " is lost: ", error.what());
+    log(LogLevel::kError, "an eager slot of ", describePeer(source), " is lost: ", error.what());
   }
 }
 
@@ -212,7 +212,7 @@ bool EagerProtocol::fill(EagerSendTransfer& send) {
   const bool cleared = send.state == EagerSendState::kHeldCleared;
   if (!op.finished()) {
     try {
-      if (!lanes_.fill(op, CopyEngineContext::laneOf(op, send.peer->address.processKey),
+      if (!lanes_.fill(op, CopyEngineContext::laneOf(op, processKeyOf(*send.peer)),
                        *state.eager, *state.produced, *state.copied)) {
         return false;
       }

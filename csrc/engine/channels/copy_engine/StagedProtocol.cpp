@@ -2,9 +2,9 @@
 
 #include "engine/Error.h"
 #include "engine/Log.h"
-#include "engine/Peer.h"
 #include "engine/channels/copy_engine/ChannelData.h"
 #include "engine/channels/copy_engine/CopyEngineOp.h"
+#include "engine/channels/copy_engine/CopyEnginePeer.h"
 #include "engine/cuda/Copies.h"
 #include "engine/cuda/CudaDriver.h"
 #include "engine/cuda/StreamMemoryOps.h"
@@ -24,16 +24,16 @@ bool StagedProtocol::stageable(uint64_t bytes) const {
 }
 
 std::shared_ptr<StagingRing> StagedProtocol::ringFor(const Peer& source, int device) {
-  auto [it, created] = rings_.try_emplace(RingKey{source.address.processKey, device});
+  auto [it, created] = rings_.try_emplace(RingKey{processKeyOf(source), device});
   if (created) {
     try {
       it->second = std::make_shared<StagingRing>(
           context_.flags(), context_.ringMemory(), device, stagingBytes_, kStagingSlots, false,
           concat("staging ring of ", kStagingSlots, " x ", stagingBytes_, " B for sends from ",
-                 source.describe()));
+                 describePeer(source)));
     } catch (const Error& error) {
       RingMemory::refused(concat("no staging ring on cuda:", device, " for sends from ",
-                                 source.describe(), " (", reasonOf(error),
+                                 describePeer(source), " (", reasonOf(error),
                                  "): they wait for this process's streams"));
     }
   }
@@ -51,7 +51,7 @@ std::string StagedProtocol::ringData(const Peer& source, const Op& recv) {
 
 void StagedProtocol::learn(const Peer& destination, std::shared_ptr<RemoteStagingRing> ring) {
   if (!ring) return;
-  auto& known = remoteRings_[RingKey{destination.address.processKey, ring->device()}];
+  auto& known = remoteRings_[RingKey{processKeyOf(destination), ring->device()}];
   if (!known || known->bufferId() != ring->bufferId()) known = std::move(ring);
 }
 
@@ -61,7 +61,7 @@ void StagedProtocol::start(ClearedSend cleared) {
   const uint64_t bytes = op.request.buffer.bytes;
   if (stageable(bytes)) {
     auto ring = remoteRings_.find(
-        RingKey{send.send.peer->address.processKey, send.send.destination.device});
+        RingKey{processKeyOf(*send.send.peer), send.send.destination.device});
     if (ring != remoteRings_.end() && ring->second->slotBytes() >= bytes) {
       send.remote = ring->second;
     }
@@ -117,9 +117,9 @@ void StagedProtocol::enqueueStagedCopy(StagedSend& send, const StagedSlot& slot,
 
 void StagedProtocol::onNotice(Peer& source, const std::string& data) {
   const StagedNotice notice = readStagedNotice(data);
-  const auto ringIt = rings_.find(RingKey{source.address.processKey, notice.ringDevice});
+  const auto ringIt = rings_.find(RingKey{processKeyOf(source), notice.ringDevice});
   if (ringIt == rings_.end() || !ringIt->second || notice.slot >= ringIt->second->slots()) {
-    log(LogLevel::kError, "ignored a staging notice from ", source.describe(),
+    log(LogLevel::kError, "ignored a staging notice from ", describePeer(source),
         " for a slot this process does not have (cuda:", notice.ringDevice, " slot ",
         notice.slot, ")");
     return;
@@ -139,7 +139,8 @@ void StagedProtocol::onNotice(Peer& source, const std::string& data) {
     if (recv) {
       direct_.abandon(*recv, Status::failure(StatusCode::kTransport, error.what()));
     } else {
-      log(LogLevel::kError, "a staging slot from ", source.describe(), " is lost: ", error.what());
+      log(LogLevel::kError, "a staging slot from ", describePeer(source), " is lost: ",
+          error.what());
     }
     return;
   }
