@@ -82,7 +82,9 @@ void checkShape(const Table& table) {
     CHECK(reached[state]);
   }
   std::vector<bool> ends(Table::kStates, false);
-  for (size_t state = 0; state < Table::kStates; ++state) ends[state] = !hasExit(table, State(state));
+  for (size_t state = 0; state < Table::kStates; ++state) {
+    ends[state] = !hasExit(table, State(state));
+  }
   for (bool grew = true; grew;) {
     grew = false;
     for (const auto& step : table.transitions) {
@@ -210,10 +212,11 @@ TEST(eagerRecvStates, "copy engine states: an eager recv's table") {
 TEST(collectiveStates, "copy engine states: a collective lane piece's table") {
   checkTable(kCollectiveStates);
   using S = CollectiveState;
-  checkOutcomes(kCollectiveStates, {{S::kMoving, "partner failed, posted first", S::kAbandoned, false},
-                                    {S::kMoving, "partner failed, posted second", S::kReleased, false},
-                                    {S::kMoving, "cancel", S::kMoving, true},
-                                    {S::kReleased, "partner failed again", S::kReleased, true}});
+  checkOutcomes(kCollectiveStates,
+                {{S::kMoving, "partner failed, posted first", S::kAbandoned, false},
+                 {S::kMoving, "partner failed, posted second", S::kReleased, false},
+                 {S::kMoving, "cancel", S::kMoving, true},
+                 {S::kReleased, "partner failed again", S::kReleased, true}});
   CHECK(!kCollectiveStates.allows(S::kReleased, S::kAbandoned));
 }
 

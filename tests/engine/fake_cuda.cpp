@@ -2,6 +2,7 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <algorithm>
 #include <cstring>
 #include <deque>
 #include <functional>
@@ -26,6 +27,7 @@ struct Event {
 struct State {
   std::vector<std::unique_ptr<Stream>> streams;  // destroyed streams run on, as on a GPU
   std::vector<std::unique_ptr<Event>> events;
+  std::map<CUdeviceptr, size_t> allocations;  // cuMemAlloc'd: base, size
   std::map<std::string, CUresult> failNext;
   std::map<std::string, size_t> calls;
   CUresult deviceFailure = CUDA_SUCCESS;
@@ -233,11 +235,29 @@ CUresult streamWaitEvent(CUstream stream, CUevent handle, unsigned) {
 CUresult memAlloc(CUdeviceptr* pointer, size_t bytes) {
   if (const CUresult result = enter("cuMemAlloc")) return result;
   *pointer = reinterpret_cast<CUdeviceptr>(std::calloc(1, bytes ? bytes : 1));
+  state->allocations[*pointer] = bytes;
   return CUDA_SUCCESS;
 }
 CUresult memFree(CUdeviceptr pointer) {
+  if (const CUresult result = enter("cuMemFree")) return result;
+  state->allocations.erase(pointer);
   std::free(reinterpret_cast<void*>(pointer));
-  return enter("cuMemFree");
+  return CUDA_SUCCESS;
+}
+// The cuMemAlloc'd allocation holding `address`.
+const std::pair<const CUdeviceptr, size_t>* allocationOf(CUdeviceptr address) {
+  auto it = state->allocations.upper_bound(address);
+  if (it == state->allocations.begin()) return nullptr;
+  --it;
+  return address < it->first + std::max<size_t>(it->second, 1) ? &*it : nullptr;
+}
+CUresult memGetAddressRange(CUdeviceptr* base, size_t* size, CUdeviceptr address) {
+  if (const CUresult result = enter("cuMemGetAddressRange")) return result;
+  const auto* allocation = allocationOf(address);
+  if (!allocation) return CUDA_ERROR_NOT_FOUND;
+  *base = allocation->first;
+  *size = allocation->second;
+  return CUDA_SUCCESS;
 }
 CUresult memHostAlloc(void** pointer, size_t bytes, unsigned) {
   if (const CUresult result = enter("cuMemHostAlloc")) return result;
@@ -256,12 +276,26 @@ CUresult ipcGetMemHandle(CUipcMemHandle* handle, CUdeviceptr address) {
   std::memcpy(handle->reserved, &address, sizeof(address));
   return CUDA_SUCCESS;
 }
-// Only what exports ask for: an allocation's id, its address here.
+CUresult ipcOpenMemHandle(CUdeviceptr* address, CUipcMemHandle handle, unsigned) {
+  if (const CUresult result = enter("cuIpcOpenMemHandle")) return result;
+  std::memcpy(address, handle.reserved, sizeof(*address));
+  return CUDA_SUCCESS;
+}
+CUresult ipcCloseMemHandle(CUdeviceptr) { return enter("cuIpcCloseMemHandle"); }
+// What exports ask of cuMemAlloc'd memory: it can go by an IPC handle, and its id (its base).
 CUresult pointerGetAttribute(void* value, CUpointer_attribute which, CUdeviceptr address) {
   if (const CUresult result = enter("cuPointerGetAttribute")) return result;
-  if (which != CU_POINTER_ATTRIBUTE_BUFFER_ID) return CUDA_ERROR_NOT_SUPPORTED;
-  const uint64_t id = address;
-  std::memcpy(value, &id, sizeof(id));
+  const auto* allocation = allocationOf(address);
+  if (!allocation) return CUDA_ERROR_INVALID_VALUE;
+  uint64_t answer = 0;
+  if (which == CU_POINTER_ATTRIBUTE_BUFFER_ID) {
+    answer = allocation->first;
+  } else if (which == CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE) {
+    answer = 1;
+  } else {
+    return CUDA_ERROR_NOT_SUPPORTED;
+  }
+  std::memcpy(value, &answer, which == CU_POINTER_ATTRIBUTE_BUFFER_ID ? 8 : sizeof(int));
   return CUDA_SUCCESS;
 }
 CUresult memHostUnregister(void*) { return enter("cuMemHostUnregister"); }
@@ -304,6 +338,9 @@ cuda::Driver fakeTable() {
   table.cuMemHostUnregister = &memHostUnregister;
   table.cuIpcGetMemHandle = &ipcGetMemHandle;
   table.cuPointerGetAttribute = &pointerGetAttribute;
+  table.cuIpcOpenMemHandle = &ipcOpenMemHandle;
+  table.cuIpcCloseMemHandle = &ipcCloseMemHandle;
+  table.cuMemGetAddressRange = &memGetAddressRange;
   return table;
 }
 

@@ -149,7 +149,8 @@ struct Receiver {
   char* slot(uint32_t index) { return reinterpret_cast<char*>(ring.slotAddress(index)); }
 };
 
-TEST(copyOutWaitsForReadyAndFull, "copy engine in-process: a copy out waits for `ready` and `full`") {
+TEST(copyOutWaitsForReadyAndFull,
+     "copy engine in-process: a copy out waits for `ready` and `full`") {
   Receiver receiver;
   cuda::FlagSegment& flags = receiver.context.flags();
   Recv recv(flags, 32);
@@ -189,7 +190,8 @@ TEST(copyOutOfAGivenUpSend, "copy engine in-process: a recv whose sender gave up
   CHECK(receiver.done[0].second.message.find("failed: the sender gave up") != std::string::npos);
 }
 
-TEST(copyOutFailureWritesNothing, "copy engine in-process: a copy out that fails to queue writes no word") {
+TEST(copyOutFailureWritesNothing,
+     "copy engine in-process: a copy out that fails to queue writes no word") {
   Receiver receiver;
   cuda::FlagSegment& flags = receiver.context.flags();
   Recv recv(flags, 16);

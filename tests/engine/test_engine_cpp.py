@@ -20,6 +20,8 @@ SOURCES = ["Matcher.cpp", "Wire.cpp", "TensorDesc.cpp", "Op.cpp", "Log.cpp", "Co
            "channels/copy_engine/RingMemory.cpp", "channels/copy_engine/ChannelData.cpp",
            "channels/copy_engine/EagerLanes.cpp", "channels/copy_engine/CollectiveRecords.cpp",
            "channels/copy_engine/CopyEngineContext.cpp",
+           "channels/copy_engine/DirectProtocol.cpp", "channels/copy_engine/StagedProtocol.cpp",
+           "channels/copy_engine/EagerProtocol.cpp",
            "channels/captured/GraphWait.cpp",
            "channels/captured/CapturedAnnouncement.cpp",
            "channels/captured/PostedRecvs.cpp"]
