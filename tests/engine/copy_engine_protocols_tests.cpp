@@ -271,6 +271,28 @@ TEST(stagedThroughASlot, "copy engine in-process: a staged send goes through the
   CHECK(stats["staged_sends"] == 1 && stats["staged_recvs"] == 1);
 }
 
+TEST(stagedHeldPeerFails, "copy engine in-process: a send held for a slot fails with its peer") {
+  Node node;
+  std::vector<std::unique_ptr<Posted>> ops;
+  for (uint64_t i = 0; i < 6; ++i) {
+    ops.push_back(std::make_unique<Posted>(node, i % 2 ? OpKind::kRecv : OpKind::kSend,
+                                           kStagingMinBytes, i));
+  }
+  const std::string ring = node.staged.ringData(node.peer, *ops[1]->op);
+  for (size_t i = 0; i < 6; i += 2) node.staged.start(clear(node, *ops[i], *ops[i + 1], ring));
+  CHECK(node.notices.size() == 2);  // the third is held
+  node.staged.peerFailed(node.peer, Status::failure(StatusCode::kPeerFailure, "peer gone"));
+  const Status* status = node.endOf(*ops[4]->op);
+  CHECK(status && status->code == StatusCode::kPeerFailure && status->message == "peer gone");
+  CHECK(ops[4]->op->outstanding == 0);
+  CHECK(!node.endOf(*ops[0]->op) && !node.endOf(*ops[2]->op));  // queued: they run on
+  node.staged.dropPeer(node.peer.key);
+  CHECK(node.staged.ringData(node.peer, *ops[1]->op) != ring);  // a new ring for a new peer
+  node.fake.run();
+  CHECK(node.staged.progress());
+  CHECK(node.endOf(*ops[0]->op) && node.endOf(*ops[2]->op));
+}
+
 TEST(stagedReadyGoesDirect,
      "copy engine in-process: a stageable send to a ready recv goes direct") {
   Node node;
@@ -365,6 +387,10 @@ TEST(eagerSendAndCopyOut,
   CHECK(node.eager.arm(recv.op, node.peer, notice).empty());
   CHECK(node.flags().isSet(recv.state().queued));
   node.eager.cleared(send.op);
+  // A step its table does not list is refused, naming the op: a second clearance.
+  CHECK(throwsError([&] { node.eager.cleared(send.op); },
+                    "send on rank 0 to rank 1 (group 'g', tag 3, [] (0 B)): its eager send cannot "
+                    "go from queued, cleared to queued, cleared"));
   CHECK(!same(send, recv));
   node.flags().set(recv.state().ready);
   node.fake.run();
