@@ -20,12 +20,12 @@ void CollectiveProtocol::moveTo(CollectiveTransfer& transfer, CollectiveState to
   kCollectiveStates.advance(transfer.state, to, [&] { return transfer.op->describe(); });
 }
 
-void CollectiveProtocol::move(const std::shared_ptr<Op>& op, Peer* peer) {
+void CollectiveProtocol::move(const std::shared_ptr<Op>& op) {
   for (CollectiveTransfer& transfer : moving_) {
     if (transfer.op == op) return;  // already held (ended())
   }
   ++op->outstanding;
-  moving_.push_back(CollectiveTransfer{op, peer});
+  moving_.push_back(CollectiveTransfer{op});
 }
 
 void CollectiveProtocol::ended(Op& op) {
@@ -35,7 +35,7 @@ void CollectiveProtocol::ended(Op& op) {
     // Taken: the partner's copy comes, unless the partner is gone with it.
     if (lanes_.gone(piece.peerKey)) return;
   }
-  move(op.shared_from_this(), nullptr);
+  move(op.shared_from_this());
 }
 
 void CollectiveProtocol::cancel(const Op& op) {

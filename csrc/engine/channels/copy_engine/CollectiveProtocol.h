@@ -18,7 +18,6 @@ struct Peer;
 
 struct CollectiveTransfer {
   std::shared_ptr<Op> op;
-  Peer* peer = nullptr;  // null for one that failed before its match
   CollectiveState state = CollectiveState::kMoving;
 };
 
@@ -36,7 +35,7 @@ class CollectiveProtocol {
   const CollectiveLanes& lanes() const { return lanes_; }
 
   // An op of a lane reached its match or clearance: it moves until its `done` word is written.
-  void move(const std::shared_ptr<Op>& op, Peer* peer);
+  void move(const std::shared_ptr<Op>& op);
   // An op of a lane failed: its partner's copy may still come, and then it holds its buffer.
   void ended(Op& op);
   // A queued copy cannot be taken back; the op ends once it ran. Ours must not stay parked on

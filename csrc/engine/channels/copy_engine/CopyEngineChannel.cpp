@@ -49,7 +49,7 @@ std::string CopyEngineChannel::armRecv(const std::shared_ptr<Op>& recv, Peer& so
   if (!announced.empty()) return eager_.arm(recv, source, announced);
   const CopyEngineOp& state = copyEngineOp(*recv);
   if (state.collective) {
-    collective_.move(recv, &source);
+    collective_.move(recv);
     return {};  // its sender's op knows from its record: the copy is queued
   }
   if (state.eagerRecv && !state.eagerRecv->claimBy(EagerRecv::kByProgress)) {
@@ -94,7 +94,7 @@ void CopyEngineChannel::startSend(const std::shared_ptr<Op>& send, Peer& destina
       fail(send->describe(), " went by a collective lane and its receiver cleared it by "
            "rendezvous (SMFREE_COLLECTIVE_LANES must be alike on every rank)");
     }
-    collective_.move(send, &destination);
+    collective_.move(send);
     return;
   }
   if (send->isCollective() && channelData.empty()) {

@@ -106,7 +106,7 @@ std::string EagerProtocol::arm(const std::shared_ptr<Op>& recv, Peer& source,
   if (state.eagerRecv && !state.eagerRecv->claimBy(EagerRecv::kByProgress)) {
     // Its wait() predicted the slot and queues the copy out on the caller's stream.
     const EagerSlot predicted = eagerSlotOf(state.eagerRecv->seq, ring->device());
-    recvs_.push_back(EagerRecvTransfer{recv, &source, nullptr, {}, state.eagerRecv,
+    recvs_.push_back(EagerRecvTransfer{recv, nullptr, {}, state.eagerRecv,
                                        EagerRecvState::kCallerCopiesOut});
     if (predicted.staged.slot != eager.staged.slot || predicted.staged.use != eager.staged.use) {
       fail(recv->describe(), " expected its message in eager slot ", predicted.staged.slot,
@@ -118,14 +118,14 @@ std::string EagerProtocol::arm(const std::shared_ptr<Op>& recv, Peer& source,
   if (notice.held) {
     // Its copy is not queued yet: a copy out queued now would wait for unsubmitted work.
     recvs_.push_back(
-        EagerRecvTransfer{recv, &source, ring, eager.staged, nullptr, EagerRecvState::kHeld});
+        EagerRecvTransfer{recv, ring, eager.staged, nullptr, EagerRecvState::kHeld});
     return {};
   }
   {
     cuda::ContextGuard context(ring->device());
     context_.enqueueCopyOut(*recv, *ring, eager.staged, context_.copyOutStream(ring->device()));
   }
-  recvs_.push_back(EagerRecvTransfer{recv, &source, ring, eager.staged, nullptr,
+  recvs_.push_back(EagerRecvTransfer{recv, ring, eager.staged, nullptr,
                                      EagerRecvState::kCopyingOut});
   context_.flags().set(state.queued);
   return {};

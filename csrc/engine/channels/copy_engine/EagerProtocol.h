@@ -27,7 +27,6 @@ struct EagerSendTransfer {
 
 struct EagerRecvTransfer {
   std::shared_ptr<Op> op;
-  Peer* peer = nullptr;
   std::shared_ptr<StagingRing> ring;  // not where its caller copies out
   StagedSlot slot;
   std::shared_ptr<EagerRecv> claim;   // where its caller copies out

@@ -26,7 +26,6 @@ struct StateTable {
   Transition<State> transitions[Transitions];
 
   static constexpr size_t kStates = States;
-  static constexpr size_t kTransitions = Transitions;
 
   constexpr bool allows(State from, State to) const {
     for (const Transition<State>& step : transitions) {
