@@ -262,7 +262,7 @@ void SmFreeBackend::post(PreparedOp& op, const c10::intrusive_ptr<SmFreeWork>& b
   }
   const int device = op.request.buffer.device;
   const std::chrono::milliseconds timeout = group_->timeout();
-  std::optional<engine::CudaFence> fence;
+  std::optional<engine::OpFence> fence;
   try {
     fence = group_->post(std::move(op.request));
   } catch (const engine::Error& error) {

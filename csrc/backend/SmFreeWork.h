@@ -46,7 +46,7 @@ class SmFreeWork final : public c10d::Work {
   void expectOp(bool cpuWaited);
   // An op with a fence: wait() makes the current stream wait for it rather than the CPU (see
   // wait()).
-  void addStreamFence(std::shared_ptr<engine::Group> group, int device, engine::CudaFence fence);
+  void addStreamFence(std::shared_ptr<engine::Group> group, int device, engine::OpFence fence);
   // An op that reports here but moves outside the engine (an op to this rank itself): wait()
   // runs its Work's wait() too, which fences the current stream for it.
   void addWaitedWork(c10::intrusive_ptr<c10d::Work> work);
@@ -93,7 +93,7 @@ class SmFreeWork final : public c10d::Work {
   struct StreamFence {
     std::shared_ptr<engine::Group> group;
     int device;
-    engine::CudaFence fence;
+    engine::OpFence fence;
   };
   // Queues the copies in of the caller-staged recvs among fences_ (engine::CallerStaging),
   // waiting up to the group timeout for their match; the second, only until `until`.

@@ -54,7 +54,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   const Spin& spin() const { return spin_; }
   const PeerAddress& localAddress() const { return local_; }
   Failures& failures() { return failures_; }
-  // The channel of that kind, for its caller-thread methods.
+  // The channel of that kind, for prepare() on the caller's thread.
   Channel& channel(ChannelKind kind) { return channels_->of(kind); }
   uint64_t nextOpId() { return nextOpId_.fetch_add(1); }
 
@@ -64,7 +64,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // Hands a prepared op to the progress thread, which starts it.
   void post(std::shared_ptr<Op> op);
   // Waits, until `deadline` at most, for the ops whose wait() returned before they ended
-  // (Channel::outlivesWait) to finish: of one group, or of all.
+  // (ChannelOp::outlivesWait) to finish: of one group, or of all.
   void awaitReleasedOps(std::optional<uint64_t> groupId, Clock::time_point deadline);
   void closeGroup(uint64_t groupId, StatusCode code, const std::string& reason);
   std::string dumpPending(uint64_t groupId);

@@ -118,7 +118,7 @@ void Group::checkCapture(OpRequest& request) const {
   }
 }
 
-std::optional<CudaFence> Group::post(OpRequest request) {
+std::optional<OpFence> Group::post(OpRequest request) {
   if (closed_) {
     fail("group '", config_->name, "' is closed");
   }
@@ -134,7 +134,8 @@ std::optional<CudaFence> Group::post(OpRequest request) {
   }
   std::lock_guard<std::mutex> numbering(postMutex_);
   const bool placeKnown = number(*op);
-  std::optional<CudaFence> fence;
+  std::optional<OpFence> fence;
+  Channel& channel = engine_->channel(op->channel);
   if (onCuda) {
     PostOptions options{timeout(), {}, {}, placeKnown};
     if (peer != kAnySource) {
@@ -147,11 +148,14 @@ std::optional<CudaFence> Group::post(OpRequest request) {
       // A user's CUDA graph capture, in progress on this thread or another, neither refuses
       // nor is broken by what the channel calls here.
       cuda::RelaxedCapture relaxed;
-      fence = engine_->channel(op->channel).prepare(*op, options);
+      op->channelOp = channel.prepare(*op, options);
     } catch (...) {
       unnumber(*op);  // not posted: the next op takes its place in the line
       throw;
     }
+    fence = OpFence{op->channel, op->channelOp->traits().queuedByWait, op->channelOp};
+  } else {
+    op->channelOp = channel.prepare(*op, PostOptions{timeout(), {}, {}, placeKnown});
   }
   op->posted = Clock::now();
   op->deadline = op->posted + timeout();
@@ -215,14 +219,14 @@ Clock::time_point Group::queuedDeadline() const {
   return Clock::now() + timeout() + kQueuedMargin;
 }
 
-bool Group::pollQueued(const CudaFence& fence, Clock::time_point deadline) {
+bool Group::pollQueued(const OpFence& fence, Clock::time_point deadline) {
   cuda::RelaxedCapture relaxed;  // a staged recv queues its copies in from here
-  Channel& channel = engine_->channel(fence.channel);
-  return pollUntil([&] { return channel.fenceQueued(fence); }, engine_->spin().get(), deadline);
+  CudaFence& queued = *fence.fence;
+  return pollUntil([&] { return queued.queued(); }, engine_->spin().get(), deadline);
 }
 
-void Group::awaitQueued(const CudaFence& fence) {
-  if (fence.stagedRecv) {
+void Group::awaitQueued(const OpFence& fence) {
+  if (fence.queuedByWait) {
     queueCopiesInBy(fence, Clock::time_point::max());  // throws at the deadline
     return;
   }
@@ -233,16 +237,16 @@ void Group::awaitQueued(const CudaFence& fence) {
   }
 }
 
-bool Group::queueCopiesInBy(const CudaFence& fence, Clock::time_point until) {
+bool Group::queueCopiesInBy(const OpFence& fence, Clock::time_point until) {
   const auto deadline = queuedDeadline();
   if (pollQueued(fence, std::min(until, deadline))) return true;
   if (until < deadline) return false;
   fail("the recv did not match, or its bytes did not land, in time");
 }
 
-bool Group::queueCopiesInOnceMatched(const CudaFence& fence) {
+bool Group::queueCopiesInOnceMatched(const OpFence& fence) {
   cuda::RelaxedCapture relaxed;
-  return engine_->channel(fence.channel).fenceQueued(fence);
+  return fence.fence->queued();
 }
 
 std::optional<std::string> Group::failureAfterWait() {
@@ -253,7 +257,7 @@ void Group::recordFailureAfterWait(std::string why) {
   engine_->failures().recordAfterWait(id_, std::move(why));
 }
 
-void Group::checkWaitable(void* stream, const CudaFence& fence) const {
+void Group::checkWaitable(void* stream, const OpFence& fence) const {
   const bool captured = fence.channel == ChannelKind::kCaptured;
   const std::optional<cuda::Capture> capture = cuda::captureOf(static_cast<CUstream>(stream));
   if (captured && !capture) {
@@ -266,9 +270,9 @@ void Group::checkWaitable(void* stream, const CudaFence& fence) const {
   }
 }
 
-void Group::waitOnStream(void* stream, int device, const CudaFence& fence) {
+void Group::waitOnStream(void* stream, int device, const OpFence& fence) {
   cuda::RelaxedCapture relaxed;
-  engine_->channel(fence.channel).waitOnStream(stream, device, fence);
+  fence.fence->waitOnStream(stream, device);
 }
 
 void Group::close(StatusCode code, const std::string& reason, bool abort) {

@@ -30,6 +30,7 @@
 
 #include "check.h"
 #include "fake_cuda.h"
+#include "test_copy_engine_op.h"
 
 #ifndef SYS_pidfd_open
 #define SYS_pidfd_open 434
@@ -51,6 +52,7 @@ std::string describePeer(const Peer& peer) { return "peer " + peer.key; }
 
 using namespace smfree::engine;
 using testing::FakeCuda;
+using testing::TestCopyEngineOp;
 using testing::throwsError;
 
 namespace {
@@ -113,17 +115,17 @@ struct Posted {
     op->request.buffer.bytes = bytes;
     op->request.buffer.device = 0;
     op->config = std::make_shared<GroupConfig>(GroupConfig{"g", 0, 2});
-    auto state = std::make_unique<CopyEngineOp>();
-    state->queued = node.flags().acquire();
+    CopyEngineOp state;
+    state.queued = node.flags().acquire();
     if (kind == OpKind::kSend) {
-      state->produced = std::make_shared<cuda::Event>(0);
-      state->copied = std::make_shared<cuda::Event>(0);
-      state->produced->record(node.user.handle());
+      state.produced = std::make_shared<cuda::Event>(0);
+      state.copied = std::make_shared<cuda::Event>(0);
+      state.produced->record(node.user.handle());
     } else {
-      state->done = node.flags().acquire(kDoneSpan);
-      state->ready = node.flags().acquire();
+      state.done = node.flags().acquire(kDoneSpan);
+      state.ready = node.flags().acquire();
     }
-    op->channelState = std::move(state);
+    op->channelOp = std::make_shared<TestCopyEngineOp>(std::move(state));
   }
   char* bytes() { return reinterpret_cast<char*>(memory.address()); }
   const CopyEngineOp& state() const { return copyEngineOp(*op); }

@@ -22,10 +22,12 @@
 
 #include "check.h"
 #include "fake_cuda.h"
+#include "test_copy_engine_op.h"
 
 using namespace smfree::engine;
 using testing::throwsError;
 using testing::FakeCuda;
+using testing::TestCopyEngineOp;
 
 namespace {
 
@@ -124,11 +126,11 @@ struct Recv {
     op->request.buffer.bytes = bytes;
     op->request.buffer.device = 0;
     op->config = std::make_shared<GroupConfig>(GroupConfig{"g", 0, 2});
-    auto state = std::make_unique<CopyEngineOp>();
-    state->queued = flags.acquire();
-    state->done = flags.acquire(kDoneSpan);
-    state->ready = flags.acquire();
-    op->channelState = std::move(state);
+    CopyEngineOp state;
+    state.queued = flags.acquire();
+    state.done = flags.acquire(kDoneSpan);
+    state.ready = flags.acquire();
+    op->channelOp = std::make_shared<TestCopyEngineOp>(std::move(state));
     op->outstanding = 1;  // as armed
   }
   const CopyEngineOp& state() const { return copyEngineOp(*op); }

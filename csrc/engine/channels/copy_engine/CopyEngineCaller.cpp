@@ -15,7 +15,7 @@
 
 namespace smfree::engine {
 
-CudaFence CopyEngineChannel::prepare(Op& op, const PostOptions& options) {
+std::shared_ptr<ChannelOp> CopyEngineChannel::prepare(Op& op, const PostOptions& options) {
   cuda::FlagSegment& flags = context_.flags();
   // Where copies within this GPU will bounce is settled (and that GPU's context made) at the
   // device's first op, not in the middle of a transfer.
@@ -23,85 +23,78 @@ CudaFence CopyEngineChannel::prepare(Op& op, const PostOptions& options) {
     cuda::bounceDevice(op.request.buffer.device);
   }
   context_.cudaOps().admit(options.timeout);
-  auto state = std::make_unique<CopyEngineOp>();
+  CopyEngineOp state;  // moved into its CopyEngineChannelOp
   // A collective's piece: a collective lane decides, at this post, which side queues its copy.
   const bool byLane = collective_.enabled() && op.isCollective() && op.request.buffer.bytes != 0 &&
                       !options.peerKey.empty();
   try {
-    state->queued = flags.acquire();
+    state.queued = flags.acquire();
     if (op.isSend()) {
       const int device = op.request.buffer.device;
-      state->produced = cuda::takeEvent(device);
-      state->copied = cuda::takeEvent(device);
-      state->produced->record(static_cast<CUstream>(op.request.stream));
+      state.produced = cuda::takeEvent(device);
+      state.copied = cuda::takeEvent(device);
+      state.produced->record(static_cast<CUstream>(op.request.stream));
       if (byLane) {
-        state->done = flags.acquire(kDoneSpan);
-        state->producedWord = flags.acquire();
-        context_.cudaOps().writeFromStream(op, state->producedWord);
+        state.done = flags.acquire(kDoneSpan);
+        state.producedWord = flags.acquire();
+        context_.cudaOps().writeFromStream(op, state.producedWord);
       }
       if (eager_.lanes().enabled() && !options.peerKey.empty() && !op.isCollective()) {
-        state->eager =
-            eager_.lanes().push(op, CopyEngineContext::laneOf(op, options.peerKey), *state->produced, *state->copied);
-        if (state->eager) {
+        state.eager = eager_.lanes().push(op, CopyEngineContext::laneOf(op, options.peerKey),
+                                          *state.produced, *state.copied);
+        if (state.eager) {
           // Its wait() makes the stream wait for `copied` at once; a held one's once the
           // progress thread has queued its copy.
-          if (!state->eager->after) flags.set(state->queued);
+          if (!state.eager->after) flags.set(state.queued);
           eager_.countSend();
         }
       }
     } else {
-      state->done = flags.acquire(kDoneSpan);
-      state->ready = flags.acquire();
-      context_.cudaOps().writeFromStream(op, state->ready);
+      state.done = flags.acquire(kDoneSpan);
+      state.ready = flags.acquire();
+      context_.cudaOps().writeFromStream(op, state.ready);
       if (byLane) {
-        state->produced = cuda::takeEvent(op.request.buffer.device);
-        state->produced->record(static_cast<CUstream>(op.request.stream));
+        state.produced = cuda::takeEvent(op.request.buffer.device);
+        state.produced->record(static_cast<CUstream>(op.request.stream));
       }
       // Only a recv that fits a slot can learn its message is eager; others cost nothing here.
       const uint64_t bytes = op.request.buffer.bytes;
       if (options.placeKnown && bytes != 0 && bytes <= eager_.lanes().slotBytes() &&
           !op.isCollective()) {
-        state->eagerRecv = std::make_shared<EagerRecv>();
-        state->eagerRecv->lane = CopyEngineContext::laneOf(op, options.peerKey);
-        state->eagerRecv->seq = op.seq;
-        state->eagerRecv->buffer = op.request.buffer;
-        eager_.lanes().posted(state->eagerRecv);
+        state.eagerRecv = std::make_shared<EagerRecv>();
+        state.eagerRecv->lane = CopyEngineContext::laneOf(op, options.peerKey);
+        state.eagerRecv->seq = op.seq;
+        state.eagerRecv->buffer = op.request.buffer;
+        eager_.lanes().posted(state.eagerRecv);
       }
     }
     if (byLane) {
-      const PieceWords words{op.isSend() ? state->producedWord : state->ready, state->done,
-                              state->produced.get()};
-      state->collective = collective_.lanes().post(op, options, words);
+      const PieceWords words{op.isSend() ? state.producedWord : state.ready, state.done,
+                              state.produced.get()};
+      state.collective = collective_.lanes().post(op, options, words);
       // First: the partner's post queues the copy; second: this post did.
-      if (state->collective) flags.set(state->queued);
+      if (state.collective) flags.set(state.queued);
     }
   } catch (...) {
     // A value of 0 is never handed out: those words were not acquired.
     for (const cuda::Flag* flag :
-         {&state->queued, &state->done, &state->ready, &state->producedWord}) {
+         {&state.queued, &state.done, &state.ready, &state.producedWord}) {
       if (flag->value != 0) flags.release(*flag);
     }
     context_.cudaOps().retire();
     throw;
   }
-  // An op of a collective lane has no `copied` event: its stream waits for its `done` word.
-  const CudaFence fence{.channel = ChannelKind::kCopyEngine,
-                        .queued = state->queued,
-                        .done = state->done,
-                        .copied = state->collective ? nullptr : state->copied,
-                        .eagerRecv = state->eagerRecv};
-  op.channelState = std::move(state);
-  return fence;
+  return std::make_shared<CopyEngineChannelOp>(*this, op, std::move(state));
 }
 
-bool CopyEngineChannel::fenceQueued(const CudaFence& fence) {
+bool CopyEngineChannel::fenceQueued(const CopyEngineFence& fence) {
   cuda::FlagSegment& flags = context_.flags();
   if (flags.isSet(fence.queued)) return true;
   // A recv whose message the lane shows to be eager queues its own copy out (waitOnStream).
   return fence.eagerRecv && eager_.lanes().claimable(*fence.eagerRecv);
 }
 
-void CopyEngineChannel::waitOnStream(void* stream, int device, const CudaFence& fence) {
+void CopyEngineChannel::waitOnStream(void* stream, int device, const CopyEngineFence& fence) {
   cuda::FlagSegment& flags = context_.flags();
   if (fence.eagerRecv) {
     if (eager_.lanes().queueCopiesOut(*fence.eagerRecv, static_cast<CUstream>(stream))) return;

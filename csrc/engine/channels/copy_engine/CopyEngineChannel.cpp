@@ -16,7 +16,9 @@ CopyEngineChannel::CopyEngineChannel(CudaOps& cudaOps, const ProgressThread& thr
                                      uint64_t stagingBytes, uint64_t eagerBytes,
                                      uint64_t ringMemoryBytes, bool collectiveLanes, Done onDone,
                                      Notify notify, Release release)
-    : context_(cudaOps, thread, ipcCacheSize, ringMemoryBytes, std::move(onDone),
+    : Channel({Capability::kNotices, Capability::kProgress, Capability::kSweep,
+               Capability::kSameHostOnly}),
+      context_(cudaOps, thread, ipcCacheSize, ringMemoryBytes, std::move(onDone),
                std::move(notify)),
       direct_(context_),
       staged_(context_, direct_, stagingBytes),
@@ -29,8 +31,6 @@ const std::string& processKeyOf(const Peer& peer) { return peer.address.processK
 int pidfdOf(const Peer& peer) { return peer.watch ? peer.watch->fd() : -1; }
 
 std::string describePeer(const Peer& peer) { return peer.describe(); }
-
-bool CopyEngineChannel::reaches(const Peer& peer) const { return peer.sameHost; }
 
 std::string CopyEngineChannel::announce(const Op& send) { return eager_.announce(send); }
 
@@ -65,7 +65,7 @@ std::string CopyEngineChannel::armRecv(const std::shared_ptr<Op>& recv, Peer& so
 
 void CopyEngineChannel::discard(Peer& source, const ReadyToSend& rts, Op* recv) {
   context_.thread().check("CopyEngineChannel::discard");
-  if (recv && recv->channelState && recv->channel == ChannelKind::kCopyEngine) {
+  if (recv && recv->channelOp && recv->channel == ChannelKind::kCopyEngine) {
     const auto& eagerRecv = copyEngineOp(*recv).eagerRecv;
     // Its wait() queued, or ended() releases, the copy out that empties the slot.
     if (eagerRecv && !eagerRecv->claimBy(EagerRecv::kByProgress)) return;
@@ -129,7 +129,7 @@ void CopyEngineChannel::partnerGaveUp(Op& op) {
   direct_.partnerGaveUp(op);
 }
 
-bool CopyEngineChannel::progress() {
+Progress CopyEngineChannel::progress() {
   context_.thread().check("CopyEngineChannel::progress");
   bool moved = staged_.advanceHeld();
   moved = eager_.emptyHeldSlots() || moved;
@@ -137,7 +137,7 @@ bool CopyEngineChannel::progress() {
   moved = staged_.progress() || moved;
   moved = eager_.progress() || moved;
   moved = collective_.progress() || moved;
-  return moved;
+  return Progress{moved};
 }
 
 bool CopyEngineChannel::busy() const {
@@ -154,6 +154,18 @@ void CopyEngineChannel::peerFailed(Peer& peer) {
   staged_.dropPeer(key);
   eager_.dropPeer(key);
   context_.ipc().dropPeer(key);
+}
+
+void CopyEngineChannel::onNotice(const Notice& notice) {
+  if (const auto* n = std::get_if<PeerNotice>(&notice)) {
+    onNotice(n->source, n->data);
+  } else if (const auto* n = std::get_if<SendAnnounced>(&notice)) {
+    announced(n->source, n->rts);
+  } else if (const auto* n = std::get_if<SendUnarmed>(&notice)) {
+    discard(n->source, n->rts, n->recv);
+  } else if (const auto* n = std::get_if<MemoryFreed>(&notice)) {
+    onMemoryReleased(n->owner, n->ids);
+  }
 }
 
 void CopyEngineChannel::onNotice(Peer& source, const std::string& data) {
@@ -185,19 +197,18 @@ void CopyEngineChannel::sweep() {
   for (auto& [key, ids] : collective_.lanes().sweep()) release_(key, std::move(ids));
 }
 
-void CopyEngineChannel::addStats(std::map<std::string, int64_t>& stats) const {
+void CopyEngineChannel::report(ChannelReport& report) const {
+  const RingMemory& memory = context_.ringMemory();
+  if (memory.taken() != 0) {
+    report.memory.push_back(concat("rings for peers' sends: ", memory.describe()));
+  }
+  std::map<std::string, int64_t>& stats = report.stats;
   stats["ipc_mappings"] = static_cast<int64_t>(context_.ipc().size());
   stats["ipc_exports"] = static_cast<int64_t>(context_.exporter().size());
   staged_.addStats(stats);
   eager_.addStats(stats);
   stats["ring_bytes"] = static_cast<int64_t>(context_.ringMemory().taken());
   collective_.lanes().addStats(stats);
-}
-
-std::string CopyEngineChannel::describeMemory() const {
-  const RingMemory& memory = context_.ringMemory();
-  if (memory.taken() == 0) return {};
-  return concat("rings for peers' sends: ", memory.describe());
 }
 
 }  // namespace smfree::engine

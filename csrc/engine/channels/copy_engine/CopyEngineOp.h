@@ -3,7 +3,9 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <utility>
 
+#include "engine/Channel.h"
 #include "engine/Op.h"
 #include "engine/channels/copy_engine/CollectiveLanes.h"
 #include "engine/channels/copy_engine/DoneWord.h"
@@ -22,7 +24,7 @@ namespace smfree::engine {
 // signalled by the sender's process, uses words of its flag segment, and the copy writes one.
 // A collective's piece uses words on both sides: either side's post may queue its copy
 // (CollectiveLanes.h).
-struct CopyEngineOp final : OpChannelState {
+struct CopyEngineOp {
   cuda::Flag queued;  // the copy is submitted, or the op failed (set by a CPU)
 
   // Recv: written by the caller's stream when it reaches the op (the buffer is free).
@@ -49,8 +51,21 @@ struct CopyEngineOp final : OpChannelState {
   std::unique_ptr<CollectivePiece> collective;
 };
 
+// The copy engine's part of an op (Op::channelOp) holds the op's CopyEngineOp, which the
+// protocols reach from the op alone (copyEngineOp()). Its steps are the channel's
+// (CopyEngineChannelOp.h): the protocols build, and tests drive them, without the channel.
+class CopyEngineOpHolder : public ChannelOp {
+ public:
+  CopyEngineOpHolder(OpTraits traits, CopyEngineOp&& state)
+      : ChannelOp(traits), state_(std::move(state)) {}
+  CopyEngineOp& state() { return state_; }
+
+ private:
+  CopyEngineOp state_;
+};
+
 inline CopyEngineOp& copyEngineOp(const Op& op) {
-  return static_cast<CopyEngineOp&>(*op.channelState);
+  return static_cast<CopyEngineOpHolder&>(*op.channelOp).state();
 }
 
 }  // namespace smfree::engine
