@@ -166,6 +166,7 @@ void CopyEngineChannel::onNotice(const Notice& notice) {
   } else if (const auto* n = std::get_if<MemoryFreed>(&notice)) {
     onMemoryReleased(n->owner, n->ids);
   }
+  // GroupClosed: no admission hook here, so no op of the group is held back.
 }
 
 void CopyEngineChannel::onNotice(Peer& source, const std::string& data) {
