@@ -2,6 +2,7 @@
 
 #include <dlfcn.h>
 
+#include <atomic>
 #include <mutex>
 #include <vector>
 
@@ -41,15 +42,31 @@ Driver load() {
   return d;
 }
 
-std::vector<CUcontext>& primaryContexts() {
-  static std::vector<CUcontext> contexts;
-  return contexts;
+std::atomic<const Driver*>& overridden() {
+  static std::atomic<const Driver*> table{nullptr};
+  return table;
+}
+
+struct PrimaryContexts {
+  std::mutex mutex;
+  std::vector<CUcontext> contexts;
+};
+
+PrimaryContexts& primaryContexts() {
+  static PrimaryContexts known;
+  return known;
+}
+
+void forgetPrimaryContexts() {
+  PrimaryContexts& known = primaryContexts();
+  std::lock_guard<std::mutex> lock(known.mutex);
+  known.contexts.clear();
 }
 
 CUcontext primaryContext(int device) {
-  static std::mutex mutex;
-  std::lock_guard<std::mutex> lock(mutex);
-  auto& contexts = primaryContexts();
+  PrimaryContexts& known = primaryContexts();
+  std::lock_guard<std::mutex> lock(known.mutex);
+  auto& contexts = known.contexts;
   if (device >= static_cast<int>(contexts.size())) {
     contexts.resize(device + 1, nullptr);
   }
@@ -65,8 +82,19 @@ CUcontext primaryContext(int device) {
 }  // namespace
 
 const Driver& driver() {
+  if (const Driver* table = overridden().load(std::memory_order_acquire)) return *table;
   static const Driver instance = load();
   return instance;
+}
+
+DriverOverride::DriverOverride(const Driver& table)
+    : previous_(overridden().exchange(&table, std::memory_order_acq_rel)) {
+  forgetPrimaryContexts();
+}
+
+DriverOverride::~DriverOverride() {
+  overridden().store(previous_, std::memory_order_release);
+  forgetPrimaryContexts();
 }
 
 std::string errorText(CUresult result) {

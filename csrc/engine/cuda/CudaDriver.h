@@ -66,8 +66,26 @@ struct Driver {
 #undef SMFREE_CUDA_MEMBER
 };
 
-// The process's driver table; throws Error when no CUDA driver can be loaded.
+// The process's driver table; throws Error when no CUDA driver can be loaded. Within a
+// DriverOverride's scope, the table that it installed.
 const Driver& driver();
+
+// Installs another driver table for its scope and restores the one before at its end: how
+// tests run the CUDA paths in-process against a fake (tests/engine/fake_cuda.h). Install it
+// before any thread calls driver() and end it after they stopped; `table` must outlive it.
+// Primary contexts are looked up again on either side of the scope; other per-device caches
+// (an attribute read once, the event pool) keep what the fake said, so a process that used a
+// fake uses no real device after.
+class DriverOverride {
+ public:
+  explicit DriverOverride(const Driver& table);
+  ~DriverOverride();
+  DriverOverride(const DriverOverride&) = delete;
+  DriverOverride& operator=(const DriverOverride&) = delete;
+
+ private:
+  const Driver* previous_;
+};
 
 std::string errorText(CUresult result);
 // Throws Error("smfree: CUDA <what> failed: <driver message>") unless result is CUDA_SUCCESS.

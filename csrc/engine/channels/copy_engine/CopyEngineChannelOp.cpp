@@ -1,5 +1,5 @@
-// An op's part of CopyEngineChannel: each step goes to the channel, which keeps the op's
-// transfers.
+// An op's part of CopyEngineChannel: each step goes to the channel, which hands it to the op's
+// protocol; that protocol keeps the op's transfer.
 #include "engine/channels/copy_engine/CopyEngineChannelOp.h"
 
 #include "engine/channels/copy_engine/CopyEngineChannel.h"
@@ -18,12 +18,12 @@ OpTraits traitsOf(const Op& op, const CopyEngineOp& state) {
 
 CopyEngineChannelOp::CopyEngineChannelOp(CopyEngineChannel& channel, const Op& op,
                                          CopyEngineOp state)
-    : ChannelOp(traitsOf(op, state)),
+    : CopyEngineOpHolder(traitsOf(op, state), std::move(state)),
       channel_(channel),
-      state_(std::move(state)),
       // An op of a collective lane has no `copied` event: its stream waits for its `done` word.
-      fence_{state_.queued, state_.done, state_.collective ? nullptr : state_.copied,
-             state_.eagerRecv} {}
+      fence_{this->state().queued, this->state().done,
+             this->state().collective ? nullptr : this->state().copied,
+             this->state().eagerRecv} {}
 
 bool CopyEngineChannelOp::queued() { return channel_.fenceQueued(fence_); }
 

@@ -19,14 +19,12 @@ struct CopyEngineFence {
   std::shared_ptr<EagerRecv> eagerRecv;
 };
 
-// An op's part of CopyEngineChannel (Op::channelOp): its state and its fence. The channel does
-// the work.
-class CopyEngineChannelOp final : public ChannelOp {
+// An op's part of CopyEngineChannel (Op::channelOp): its state and its fence. The channel
+// dispatches each step to the op's protocol.
+class CopyEngineChannelOp final : public CopyEngineOpHolder {
  public:
   // Caller's thread, at the end of CopyEngineChannel::prepare(): `state` is complete.
   CopyEngineChannelOp(CopyEngineChannel& channel, const Op& op, CopyEngineOp state);
-
-  CopyEngineOp& state() { return state_; }
 
   bool queued() override;
   void waitOnStream(void* stream, int device) override;
@@ -43,12 +41,7 @@ class CopyEngineChannelOp final : public ChannelOp {
 
  private:
   CopyEngineChannel& channel_;
-  CopyEngineOp state_;
   const CopyEngineFence fence_;
 };
-
-inline CopyEngineOp& copyEngineOp(const Op& op) {
-  return static_cast<CopyEngineChannelOp&>(*op.channelOp).state();
-}
 
 }  // namespace smfree::engine

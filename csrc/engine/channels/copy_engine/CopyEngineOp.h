@@ -3,7 +3,9 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <utility>
 
+#include "engine/Channel.h"
 #include "engine/Op.h"
 #include "engine/channels/copy_engine/CollectiveLanes.h"
 #include "engine/channels/copy_engine/DoneWord.h"
@@ -48,5 +50,22 @@ struct CopyEngineOp {
   // A collective's piece that went by a collective lane (CollectiveLanes.h), first or second.
   std::unique_ptr<CollectivePiece> collective;
 };
+
+// The copy engine's part of an op (Op::channelOp) holds the op's CopyEngineOp, which the
+// protocols reach from the op alone (copyEngineOp()). Its steps are the channel's
+// (CopyEngineChannelOp.h): the protocols build, and tests drive them, without the channel.
+class CopyEngineOpHolder : public ChannelOp {
+ public:
+  CopyEngineOpHolder(OpTraits traits, CopyEngineOp&& state)
+      : ChannelOp(traits), state_(std::move(state)) {}
+  CopyEngineOp& state() { return state_; }
+
+ private:
+  CopyEngineOp state_;
+};
+
+inline CopyEngineOp& copyEngineOp(const Op& op) {
+  return static_cast<CopyEngineOpHolder&>(*op.channelOp).state();
+}
 
 }  // namespace smfree::engine

@@ -1,0 +1,37 @@
+#pragma once
+
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+#include "engine/channels/copy_engine/CopyEngineOp.h"
+
+namespace smfree::engine::testing {
+
+// An op's copy-engine part for tests that drive the protocols without the channel: it holds the
+// op's CopyEngineOp, as the channel's part does. Its steps are the channel's, which these tests
+// do not build: calling one is the test's bug.
+class TestCopyEngineOp final : public CopyEngineOpHolder {
+ public:
+  explicit TestCopyEngineOp(CopyEngineOp&& state)
+      : CopyEngineOpHolder(OpTraits{.callsCudaOnProgressThread = true}, std::move(state)) {}
+
+  bool queued() override { notHere(); }
+  void waitOnStream(void*, int) override { notHere(); }
+  ChannelAnnouncement announce(const std::shared_ptr<Op>&, Peer&) override { notHere(); }
+  std::string arm(const std::shared_ptr<Op>&, Peer&, const std::string&) override { notHere(); }
+  void start(const std::shared_ptr<Op>&, Peer&, const std::string&, bool) override { notHere(); }
+  void cancel(Op&, Cancel) override { notHere(); }
+  void end(Op&, const Status&) override { notHere(); }
+  void release(Op&) override { notHere(); }
+  std::string describe(const Op&) const override { notHere(); }
+  bool outlivesWait(const Op&) const override { notHere(); }
+
+ private:
+  [[noreturn]] static void notHere() {
+    throw std::logic_error("a copy-engine channel step called in a protocol test");
+  }
+};
+
+}  // namespace smfree::engine::testing
