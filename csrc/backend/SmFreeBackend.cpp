@@ -11,6 +11,7 @@
 #include "backend/StoreAdapter.h"
 #include "backend/TensorChecks.h"
 #include "backend/WithoutGil.h"
+#include "engine/Engine.h"
 #include "engine/Error.h"
 
 namespace smfree {

@@ -33,7 +33,7 @@ bool pollUntil(Done done, std::chrono::microseconds spin, Clock::time_point dead
 
 }  // namespace
 
-Group::Group(std::shared_ptr<Engine> engine, std::shared_ptr<const GroupConfig> config,
+Group::Group(std::shared_ptr<GroupEngine> engine, std::shared_ptr<const GroupConfig> config,
              std::shared_ptr<KeyValueStore> store, std::chrono::milliseconds timeout)
     : engine_(std::move(engine)),
       config_(std::move(config)),

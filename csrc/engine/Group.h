@@ -11,15 +11,17 @@
 #include <vector>
 
 #include "engine/CudaFence.h"
-#include "engine/Engine.h"
+#include "engine/GroupConfig.h"
+#include "engine/GroupEngine.h"
 #include "engine/Peer.h"
+#include "engine/Store.h"
 
 namespace smfree::engine {
 
 // A member's handle on one group: thread-safe, used by the c10d backend.
 class Group {
  public:
-  Group(std::shared_ptr<Engine> engine, std::shared_ptr<const GroupConfig> config,
+  Group(std::shared_ptr<GroupEngine> engine, std::shared_ptr<const GroupConfig> config,
         std::shared_ptr<KeyValueStore> store, std::chrono::milliseconds timeout);
   ~Group();  // closes the group: its pending ops fail
   Group(const Group&) = delete;
@@ -90,7 +92,7 @@ class Group {
   // How long a caller waits for an op's copy to be queued before it blames a stuck engine.
   Clock::time_point queuedDeadline() const;
 
-  std::shared_ptr<Engine> engine_;
+  std::shared_ptr<GroupEngine> engine_;
   std::shared_ptr<const GroupConfig> config_;
   std::shared_ptr<KeyValueStore> store_;
   uint64_t id_;
