@@ -109,6 +109,9 @@ class Channel {
   // Sender: deliver the bytes, given what armRecv returned on the receiver.
   virtual void startSend(const std::shared_ptr<Op>& send, Peer& destination,
                          const std::string& channelData) = 0;
+  // An op with no partner process (to the rank itself) has started: the channel, which paired
+  // it at its post, ends it through Done.
+  virtual void start(const std::shared_ptr<Op>& op) {}
   // The op has failed: stop its transfer where possible. Done still follows once the channel
   // no longer touches the buffer.
   virtual void cancel(Op& op) = 0;

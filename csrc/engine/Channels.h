@@ -9,12 +9,12 @@
 namespace smfree::engine {
 
 // The engine's data channels, by kind. Iterated in the order the progress loop drives them:
-// the copy engines, the captured ops, then UCX.
+// the copy engines, the captured ops, UCX, then the ops to the rank itself.
 class Channels {
  public:
   Channels(std::unique_ptr<Channel> copyEngine, std::unique_ptr<Channel> captured,
-           std::unique_ptr<Channel> ucx)
-      : all_{std::move(copyEngine), std::move(captured), std::move(ucx)} {}
+           std::unique_ptr<Channel> ucx, std::unique_ptr<Channel> loopback)
+      : all_{std::move(copyEngine), std::move(captured), std::move(ucx), std::move(loopback)} {}
 
   Channel& of(ChannelKind kind) { return *all_[index(kind)]; }
   Channel& of(const Op& op) { return of(op.channel); }
@@ -26,7 +26,8 @@ class Channels {
   // Whether any channel has commitments in flight (Channel::committed).
   bool committed() const { return any([](const Channel& c) { return c.committed(); }); }
   bool busy() const { return any([](const Channel& c) { return c.busy(); }); }
-  // Destroys them: UCX first, its receive lane after its endpoints' flushes.
+  // Destroys them in reverse: UCX before the copy engines, its receive lane after its
+  // endpoints' flushes.
   void reset() {
     for (auto it = all_.rbegin(); it != all_.rend(); ++it) it->reset();
   }
@@ -38,6 +39,8 @@ class Channels {
         return 0;
       case ChannelKind::kCaptured:
         return 1;
+      case ChannelKind::kLoopback:
+        return 3;
       case ChannelKind::kUcx:
         break;
     }
@@ -48,7 +51,7 @@ class Channels {
     return std::any_of(all_.begin(), all_.end(), [&](const auto& c) { return test(*c); });
   }
 
-  std::array<std::unique_ptr<Channel>, 3> all_;
+  std::array<std::unique_ptr<Channel>, 4> all_;
 };
 
 }  // namespace smfree::engine

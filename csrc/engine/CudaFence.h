@@ -11,6 +11,7 @@ namespace smfree::engine {
 struct CallerStaging;
 struct CapturedOp;
 struct EagerRecv;
+struct LoopbackOp;
 
 // What a caller needs to make its stream wait for a CUDA op (Group::waitOnStream): a recv's
 // `done` flag, or a send's `copied` event, once `queued` says the copy is submitted.
@@ -34,6 +35,10 @@ struct CudaFence {
   // An op captured in a CUDA graph: its wait() joins the graph's chain (a recv queues its nodes
   // there first), see CapturedChannel.h.
   std::shared_ptr<CapturedOp> captured;
+  // An op to the rank itself (LoopbackChannel.h), and whether it was posted inside a CUDA graph
+  // capture: its wait() must then be inside that capture too.
+  std::shared_ptr<LoopbackOp> loopback;
+  bool insideCapture = false;
 };
 
 }  // namespace smfree::engine

@@ -60,7 +60,8 @@ Group::~Group() {
 }
 
 void Group::connect(int rank) {
-  if (connected_[rank].load(std::memory_order_acquire)) {
+  // This rank itself needs no endpoint: its ops never leave the process (kLoopback).
+  if (rank == config_->rank || connected_[rank].load(std::memory_order_acquire)) {
     return;
   }
   std::vector<uint8_t> published;
@@ -102,6 +103,7 @@ void Group::checkCapture(OpRequest& request) const {
   request.capture = cuda::captureOf(static_cast<CUstream>(request.stream));
   if (!request.capture) return;
   const int peer = request.peer;
+  if (peer == config_->rank) return;  // its bytes never leave the process: any transport
   if (peer == kAnySource) {
     fail("a CUDA recv from any source cannot be captured in a CUDA graph: a graph's copies are "
          "fixed at capture, and its sender is known only once it matches; name the source rank");
@@ -129,7 +131,9 @@ std::optional<CudaFence> Group::post(OpRequest request) {
   op->config = config_;
   const bool onCuda = op->request.buffer.memory == MemoryKind::kCuda;
   const int peer = op->request.peer;
-  if (onCuda) {
+  if (peer == config_->rank) {
+    op->channel = ChannelKind::kLoopback;  // CPU ops too: paired at the post, below
+  } else if (onCuda) {
     op->channel = op->request.capture ? ChannelKind::kCaptured : cudaChannel(peer);
   }
   std::lock_guard<std::mutex> numbering(postMutex_);
@@ -150,6 +154,14 @@ std::optional<CudaFence> Group::post(OpRequest request) {
       fence = engine_->channel(op->channel).prepare(*op, options);
     } catch (...) {
       unnumber(*op);  // not posted: the next op takes its place in the line
+      throw;
+    }
+  } else if (op->channel == ChannelKind::kLoopback) {
+    // A CPU op to the rank itself: paired, and its bytes moved if its partner came first.
+    try {
+      engine_->channel(op->channel).prepare(*op, PostOptions{timeout(), {}, {}, placeKnown});
+    } catch (...) {
+      unnumber(*op);
       throw;
     }
   }
@@ -254,7 +266,7 @@ void Group::recordFailureAfterWait(std::string why) {
 }
 
 void Group::checkWaitable(void* stream, const CudaFence& fence) const {
-  const bool captured = fence.channel == ChannelKind::kCaptured;
+  const bool captured = fence.channel == ChannelKind::kCaptured || fence.insideCapture;
   const std::optional<cuda::Capture> capture = cuda::captureOf(static_cast<CUstream>(stream));
   if (captured && !capture) {
     fail("the op was captured in a CUDA graph: wait for it inside its capture, on a stream "

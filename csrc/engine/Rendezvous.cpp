@@ -26,6 +26,8 @@ const char* channelName(ChannelKind kind) {
       return "the copy engines";
     case ChannelKind::kCaptured:
       return "the copy engines inside a CUDA graph";
+    case ChannelKind::kLoopback:
+      return "a copy within this process";
     case ChannelKind::kUcx:
       break;
   }
@@ -199,7 +201,8 @@ std::optional<Status> Rendezvous::refusalAtStart(const Op& op, const GroupState*
     return Status::failure(StatusCode::kAborted,
                            concat(op.describe(), " failed: the group is closed"));
   }
-  if (op.request.peer == kAnySource) {
+  // A recv from any source waits for whichever peer; an op to the rank itself has none.
+  if (op.request.peer == kAnySource || op.channel == ChannelKind::kLoopback) {
     return std::nullopt;
   }
   const Peer* peer = group->peers[op.request.peer];
@@ -239,6 +242,12 @@ void Rendezvous::startOp(const std::shared_ptr<Op>& op) {
   op->awaitsProgress = !channels_.of(*op).outlivesWait(*op);
   if (op->awaitsProgress) ++awaitingProgress_;
   transition(op, OpState::kWaiting);
+  if (op->channel == ChannelKind::kLoopback) {
+    // To the rank itself: paired at its post, no message to send; its channel ends it.
+    if (!op->isSend()) op->source = op->request.peer;
+    channels_.of(*op).start(op);
+    return;
+  }
   if (op->isSend()) {
     Peer& peer = *group->peers[op->request.peer];
     const bool promised = channels_.of(*op).promiseSend(*op);

@@ -22,7 +22,8 @@ SOURCES = ["Matcher.cpp", "Wire.cpp", "TensorDesc.cpp", "Op.cpp", "GroupConfig.c
            "channels/copy_engine/EagerLanes.cpp", "channels/copy_engine/CollectiveRecords.cpp",
            "channels/captured/GraphWait.cpp",
            "channels/captured/CapturedAnnouncement.cpp",
-           "channels/captured/PostedRecvs.cpp"]
+           "channels/captured/PostedRecvs.cpp", "CudaOps.cpp",
+           "channels/loopback/LoopbackPairing.cpp"]
 
 
 def cuda_include():
