@@ -24,7 +24,8 @@ struct LoopbackOp {
   // A CUDA op: the CUDA graph capture its stream took part in at the call, if any. Two ops
   // meet only within one capture, or both outside any: a graph waits only for its own work.
   std::optional<uint64_t> capture;
-  // A CUDA op posted before its partner: its stream as it was then, which the copy waits for.
+  // A CUDA op: its stream as it was at its post, which the copy waits for if its partner
+  // comes later.
   std::shared_ptr<cuda::Event> posted;
   // Recorded after the copy of a CUDA pair with bytes: what the waiting stream waits for.
   std::shared_ptr<cuda::Event> copied;

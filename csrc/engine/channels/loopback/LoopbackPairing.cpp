@@ -15,6 +15,12 @@ std::shared_ptr<LoopbackOp> LoopbackPairing::post(Op& op) {
   half->op = op.shared_from_this();
   half->keepalive = op.request.keepalive;
   if (op.request.capture) half->capture = op.request.capture->id;
+  if (op.request.buffer.memory == MemoryKind::kCuda) {
+    // The stream as it is now: if the op is paired later, its copy waits for this much of it.
+    // Recorded before the lock, which the progress thread takes: no CUDA call under it.
+    half->posted = cuda::takeEvent(op.request.buffer.device);
+    half->posted->record(static_cast<CUstream>(op.request.stream));
+  }
   std::shared_ptr<LoopbackOp> earlier;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -45,11 +51,6 @@ std::shared_ptr<LoopbackOp> LoopbackPairing::pairOrQueue(
     earlier->pair = pair;
     half->pair = pair;
     return earlier;
-  }
-  if (op.request.buffer.memory == MemoryKind::kCuda) {
-    // The stream as it is now: the copy, queued by the later op, waits for this much of it.
-    half->posted = cuda::takeEvent(op.request.buffer.device);
-    half->posted->record(static_cast<CUstream>(op.request.stream));
   }
   (op.isSend() ? sends_ : recvs_)[lineOf(op)].push_back(half);
   return nullptr;
