@@ -69,9 +69,9 @@ void LoopbackPairing::exchange(LoopbackOp& send, LoopbackOp& recv, const Loopbac
       outcome = copy(send, recv, earlier, later);
     } catch (const Error& error) {
       if (pair->done) cudaOps_.flags().release(*pair->done);  // no stream will write it
-      outcome = Status::failure(StatusCode::kTransport, concat(send.op->describe(),
-                                                               ": the copy failed: ",
-                                                               reasonOf(error)));
+      outcome = Status::failure(
+          StatusCode::kTransport,
+          concat(send.op->describe(), ": the copy failed: ", reasonOf(error)));
     }
   }
   {
@@ -102,7 +102,7 @@ std::optional<Status> LoopbackPairing::copy(LoopbackOp& sendOp, LoopbackOp& recv
   const Op& on = *later.op;
   const auto stream = static_cast<CUstream>(on.request.stream);
   const int device = on.request.buffer.device;
-  // Taken first: past it nothing fails, so no failed op leaves a copy behind.
+  // Taken before anything is queued: where no word is left, no copy is queued either.
   if (!later.capture) pair.done = cudaOps_.flags().acquire();
   earlier.posted->waitOn(stream);
   const cuda::Place to{reinterpret_cast<CUdeviceptr>(recv.buffer.data), device};
