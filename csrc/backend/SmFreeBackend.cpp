@@ -242,7 +242,7 @@ SmFreeBackend::PreparedOp SmFreeBackend::prepare(engine::OpKind kind,
 void SmFreeBackend::post(PreparedOp& op, const c10::intrusive_ptr<SmFreeWork>& batch) {
   const int device = op.request.buffer.device;
   const std::chrono::milliseconds timeout = group_->timeout();
-  std::optional<engine::CudaFence> fence;
+  std::optional<engine::OpFence> fence;
   try {
     fence = group_->post(std::move(op.request));
   } catch (const engine::Error& error) {

@@ -97,7 +97,7 @@ void SmFreeWork::expectOp(bool cpuWaited) {
 }
 
 void SmFreeWork::addStreamFence(std::shared_ptr<engine::Group> group, int device,
-                                engine::CudaFence fence) {
+                                engine::OpFence fence) {
   std::lock_guard<std::mutex> lock(stateMutex_);
   TORCH_INTERNAL_ASSERT(!sealed_, "smfree: stream fence added to a sealed Work");
   fences_.push_back(StreamFence{std::move(group), device, fence});
@@ -179,7 +179,7 @@ bool SmFreeWork::isCompleted() {
   }
   // A caller-staged recv ends only once its copies in are queued, which a poll does too.
   for (const StreamFence& fence : fences_) {
-    if (!fence.fence.stagedRecv) continue;
+    if (!fence.fence.queuedByWait) continue;
     try {
       fence.group->queueCopiesInOnceMatched(fence.fence);
     } catch (const engine::Error& error) {
@@ -316,14 +316,14 @@ void SmFreeWork::throwExpired(std::chrono::milliseconds timeout) const {
 void SmFreeWork::queueStagedCopiesIn() {
   // Their copies in are queued by a wait(): without one they would never end.
   for (const StreamFence& fence : fences_) {
-    if (fence.fence.stagedRecv) fence.group->awaitQueued(fence.fence);
+    if (fence.fence.queuedByWait) fence.group->awaitQueued(fence.fence);
   }
 }
 
 void SmFreeWork::queueStagedCopiesInBy(std::chrono::steady_clock::time_point until,
                                        std::chrono::milliseconds timeout) {
   for (const StreamFence& fence : fences_) {
-    if (fence.fence.stagedRecv && !fence.group->queueCopiesInBy(fence.fence, until)) {
+    if (fence.fence.queuedByWait && !fence.group->queueCopiesInBy(fence.fence, until)) {
       throwExpired(timeout);  // still pending: a later wait() queues them
     }
   }

@@ -46,7 +46,7 @@ class SmFreeWork final : public c10d::Work {
   void expectOp(bool cpuWaited);
   // An op with a fence: wait() makes the current stream wait for it rather than the CPU (see
   // wait()).
-  void addStreamFence(std::shared_ptr<engine::Group> group, int device, engine::CudaFence fence);
+  void addStreamFence(std::shared_ptr<engine::Group> group, int device, engine::OpFence fence);
   // An op with a stream fence holds `span` (InFlight.h) until it ends or wait() returns: from
   // then on the current stream orders what follows after the op's copy.
   void addInFlight(std::shared_ptr<InFlightSpan> span);
@@ -90,9 +90,9 @@ class SmFreeWork final : public c10d::Work {
   struct StreamFence {
     std::shared_ptr<engine::Group> group;
     int device;
-    engine::CudaFence fence;
+    engine::OpFence fence;
   };
-  // Queues the copies in of the caller-staged recvs among fences_ (engine::CallerStaging),
+  // Queues the copies in of the caller-staged recvs among fences_ (OpFence::queuedByWait),
   // waiting up to the group timeout for their match; the second, only until `until`.
   void queueStagedCopiesIn();
   void queueStagedCopiesInBy(std::chrono::steady_clock::time_point until,

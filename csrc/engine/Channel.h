@@ -6,10 +6,12 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <variant>
 #include <vector>
 
 #include "engine/CudaFence.h"
 #include "engine/Op.h"
+#include "engine/PeerRoute.h"
 #include "engine/Status.h"
 
 namespace smfree::engine {
@@ -17,13 +19,7 @@ namespace smfree::engine {
 struct Peer;
 struct PeerAddress;
 
-// How the caller's thread prepares CUDA ops with one peer: decided by the channel on the
-// progress thread when the peer connects (route()), kept by the group per rank.
-struct PeerRoute {
-  bool stagedThroughHost = false;  // UCX: CUDA buffers cross pinned host memory
-};
-
-// What the caller's thread knows when it posts a CUDA op.
+// What the caller's thread knows when it posts an op.
 struct PostOptions {
   std::chrono::milliseconds timeout;  // the group's: how long admission may block
   PeerRoute route;                    // toward the op's peer; default for any-source recvs
@@ -35,13 +31,128 @@ struct PostOptions {
   const PeerAddress* peer = nullptr;
 };
 
+// What a channel fixes about an op at its post, read by the engine (and by any channel's
+// admission hook) without asking the channel.
+struct OpTraits {
+  // The progress thread makes CUDA calls for the op (Channel::admit).
+  bool callsCudaOnProgressThread = false;
+  // Its caller's wait() returns without waiting for the progress thread (an eager send, a
+  // collective lane's piece): the loop does not poll for it.
+  bool returnsAtOnce = false;
+  // OpFence::queuedByWait.
+  bool queuedByWait = false;
+  // Its partner is in this process (an op to the rank itself): the channel paired it at its
+  // post, so it has no peer, sends no message and is never armed; the channel ends it through
+  // Done once it has started.
+  bool withinProcess = false;
+};
+
+// A sender's announcement, as its channel makes it (ReadyToSend::promised, ::channelData).
+struct ChannelAnnouncement {
+  bool promised = false;
+  std::string channelData;
+};
+
+// Why an op's transfer is to stop.
+enum class Cancel : uint8_t {
+  kFailed,         // the op failed here (timeout, peer failure, group closed)
+  kPartnerGaveUp,  // the partner told us it will never move this op's bytes
+};
+
+// The per-op part of a channel: made by Channel::prepare on the caller's thread, held by the
+// op (and, for a CUDA op, by its caller's fence); what the channel keeps for the op lives here.
+// Every method but the fence's runs on the progress thread.
+class ChannelOp : public CudaFence {
+ public:
+  explicit ChannelOp(OpTraits traits) : traits_(traits) {}
+  const OpTraits& traits() const { return traits_; }
+
+  // Sender, as the send starts: what its announcement carries; starts what needs no receiver.
+  virtual ChannelAnnouncement announce(const std::shared_ptr<Op>& send, Peer& destination) = 0;
+  // Receiver, matched: gets ready for the bytes, given what the sender's announcement said;
+  // returns what the sender's side needs to deliver them (ClearToSend::channelData).
+  virtual std::string arm(const std::shared_ptr<Op>& recv, Peer& source,
+                          const std::string& announced) = 0;
+  // The bytes may move: a send has its clear-to-send (`channelData`: what the receiver's arm()
+  // returned); a recv's clear-to-send has left (`promised`: as its announcement said).
+  virtual void start(const std::shared_ptr<Op>& op, Peer& partner,
+                     const std::string& channelData, bool promised) = 0;
+  // The op has failed (or its partner gave up): stop its transfer where possible. Done still
+  // follows once the channel no longer touches the buffer.
+  virtual void cancel(Op& op, Cancel why) = 0;
+  // The caller has been told the op's outcome: releases the waits on the caller's side that no
+  // copy will release now.
+  virtual void end(Op& op, const Status& status) = 0;
+  // The op has ended and no transfer touches its buffer: gives back what prepare() took.
+  virtual void release(Op& op) = 0;
+  // For the pending-op table: what the op still waits for; empty if nothing to say.
+  virtual std::string describe(const Op& op) const = 0;
+  // Whether the op, not yet ended, may still move bytes after its caller's wait() returned.
+  virtual bool outlivesWait(const Op& op) const = 0;
+
+ private:
+  const OpTraits traits_;
+};
+
+// The optional groups of Channel's members. A channel declares those it implements; the engine
+// calls no member of a group its channel did not declare.
+enum class Capability : uint32_t {
+  kEndpoints = 1u << 0,     // connect(), disconnect(): it keeps per-peer endpoints
+  kNotices = 1u << 1,       // onNotice()
+  kProgress = 1u << 2,      // progress(), busy(): it is driven from the progress loop
+  kSweep = 1u << 3,         // sweep()
+  kAdmission = 1u << 4,     // admit(): it may hold back ops starting on any channel
+  kSameHostOnly = 1u << 5,  // reaches only peers on this host
+};
+
+class Capabilities {
+ public:
+  Capabilities(std::initializer_list<Capability> all) {
+    for (const Capability c : all) bits_ |= static_cast<uint32_t>(c);
+  }
+  bool has(Capability c) const { return (bits_ & static_cast<uint32_t>(c)) != 0; }
+
+ private:
+  uint32_t bits_ = 0;
+};
+
+// What reaches a channel from its peers outside an op's own messages (Capability::kNotices).
+struct PeerNotice {  // a ChannelNotice's data
+  Peer& source;
+  const std::string& data;
+};
+struct SendAnnounced {  // a send announced with channel data, before it is matched
+  Peer& source;
+  const ReadyToSend& rts;
+};
+struct SendUnarmed {  // such an announcement that no recv will arm (refused, empty, group closed)
+  Peer& source;
+  const ReadyToSend& rts;
+  Op* recv;  // the recv it was refused to, if any
+};
+struct MemoryFreed {  // MemoryReleased: the owner freed CUDA memory it had exported here
+  const std::string& owner;
+  const std::vector<uint64_t>& ids;
+};
+using Notice = std::variant<PeerNotice, SendAnnounced, SendUnarmed, MemoryFreed>;
+
+// What a pass of Channel::progress() did.
+struct Progress {
+  bool active = false;
+  // The device whose context the progress thread keeps current for this channel; -1: none.
+  int contextDevice = -1;
+};
+
+// For the pending-op table and the engine's stats.
+struct ChannelReport {
+  std::map<std::string, int64_t> stats;
+  std::vector<std::string> memory;  // the memory the channel holds for peers
+};
+
 // A data channel moves the bytes of a matched send/recv pair; the control plane has already
-// checked that both sides agree. A channel owns both halves of its work:
-//  - the caller's thread (Group): prepare() enqueues on the caller's stream, at the post,
-//    what the op signals there, and the fence methods let the caller's stream wait for the
-//    op's copies;
-//  - the progress thread (the engine's): everything else. The engine reaches a channel
-//    through this interface alone.
+// checked that both sides agree. This is its per-peer and loop part; each op's part is its
+// ChannelOp. The caller's thread calls prepare() alone, the progress thread the rest. The
+// engine reaches a channel through these two interfaces alone, and never names its types.
 // Per-peer state (flag segments, staging rings, data endpoints) is the channel's, keyed by
 // peer; the Peer itself holds identity and liveness.
 class Channel {
@@ -50,101 +161,46 @@ class Channel {
   // Reports a peer failure that the channel's transport noticed (`why`).
   using PeerError = std::function<void(const std::string& why)>;
 
+  explicit Channel(Capabilities capabilities) : capabilities_(capabilities) {}
   virtual ~Channel() = default;
+  bool declares(Capability c) const { return capabilities_.has(c); }
+  // Whether this channel can move bytes to and from the peer at all.
+  bool reaches(const Peer& peer) const;
 
-  // ---------------------------------------------------------- caller's thread
-  // A CUDA op at its post: takes what the op needs (flags, events, staging) into
-  // op.channelState and enqueues on the caller's stream what the op signals there at the post.
-  // Returns what the caller's stream waits on. Throws Error, having taken nothing.
-  virtual CudaFence prepare(Op& op, const PostOptions& options) = 0;
-  // Never blocks: true once the op's copies are submitted to the GPU, or the op failed, so the
-  // caller's stream may wait on the fence. Where the channel leaves the copies to the caller's
-  // thread (UCX's staged recvs), queues them once the match allows.
-  virtual bool fenceQueued(const CudaFence& fence) = 0;
-  // Makes `stream` wait for the op's copies; only once fenceQueued() said so.
-  virtual void waitOnStream(void* stream, int device, const CudaFence& fence) = 0;
+  // Caller's thread: an op at its post. Takes what the op needs (flags, events, staging) and
+  // enqueues on the caller's stream what the op signals there at the post. Throws Error,
+  // having taken nothing.
+  virtual std::shared_ptr<ChannelOp> prepare(Op& op, const PostOptions& options) = 0;
 
   // ---------------------------------------------------------- progress thread
-  // A peer joined: opens what reaches it. Throws Error when it cannot be reached.
-  virtual void connect(Peer& peer, const PeerError& onError) {}
-  virtual PeerRoute route(Peer& peer) { return {}; }
-  // Whether this channel can move bytes to and from the peer at all.
-  virtual bool reaches(const Peer& peer) const { return true; }
-  // The failed peer is dropped, outside any transport callback: closes what reached it.
-  virtual void disconnect(Peer& peer) {}
   // The peer is gone: nothing it was going to do for this channel will happen.
-  virtual void peerFailed(Peer& peer) {}
+  virtual void peerFailed(Peer& peer) = 0;
   // Engine shutdown, the progress thread gone: waits, up to `deadline`, until the peers have
-  // taken what this channel sent them.
-  virtual void flush(Clock::time_point deadline) {}
+  // taken what this channel sent them, and fails what it still holds.
+  virtual void flush(Clock::time_point deadline) = 0;
+  // Stops the channel's own threads, and what its work may still wait for (process exit).
+  virtual void stop() = 0;
+  virtual void report(ChannelReport& report) const = 0;
 
-  // Whether the progress thread makes CUDA calls for the op.
-  virtual bool callsCudaOnProgressThread(const Op& op) const = 0;
-  // The progress thread makes CUDA calls from now on, the first time for `op`.
-  virtual void progressThreadCallsCuda(const Op& op) {}
-  // A peer's stream may wait for bytes that this channel has still to move, relying on the
-  // progress thread making no CUDA call: an op that makes one waits until this is false.
-  virtual bool committed() const { return false; }
-  // Sender, when the send starts, before its announcement: whether it is promised
-  // (ReadyToSend::promised).
-  virtual bool promiseSend(Op& send) { return false; }
+  // kEndpoints. A peer joined: opens what reaches it and returns how CUDA ops toward it are
+  // prepared. Throws Error when it cannot be reached.
+  virtual PeerRoute connect(Peer& peer, const PeerError& onError);
+  // kEndpoints. The failed peer is dropped, outside any transport callback.
+  virtual void disconnect(Peer& peer);
+  // kNotices.
+  virtual void onNotice(const Notice& notice);
+  // kProgress. Channels that watch memory rather than wait for events.
+  virtual Progress progress();
+  // kProgress. Whether it watches memory now (the loop then naps, never sleeps).
+  virtual bool busy() const;
+  // kSweep. Every few tens of milliseconds: what need not run on every pass.
+  virtual void sweep();
+  // kAdmission. Asked for every op that starts, on any channel, before anything else: false
+  // where the channel holds it back; it then starts it later, in posting order.
+  virtual bool admit(const std::shared_ptr<Op>& op);
 
-  // Sender, as the send is announced: what the receiver's channel is to learn with it
-  // (ReadyToSend::channelData), such as where the bytes already are.
-  virtual std::string announce(const Op& send) { return {}; }
-  // Sender, when the send is posted (before its receiver has matched it): start what needs
-  // no receiver.
-  virtual void prepareSend(const std::shared_ptr<Op>& send, Peer& destination) {}
-  // Receiver: get ready for the bytes, given what the sender's announce() said; returns what
-  // the sender's side needs to deliver them.
-  virtual std::string armRecv(const std::shared_ptr<Op>& recv, Peer& source,
-                              const std::string& announced) = 0;
-  // Receiver: an announcement with channel data arrived (before it is matched).
-  virtual void announced(Peer& source, const ReadyToSend& rts) {}
-  // Receiver: an announcement with channel data that no recv will arm (refused, empty, or its
-  // group closed): gives back what the data holds. `recv`: the recv it was refused to, if any.
-  virtual void discard(Peer& source, const ReadyToSend& rts, Op* recv) {}
-  // Receiver, once the clear-to-send has left; `sendPromised` as the announcement said.
-  virtual void cleared(const std::shared_ptr<Op>& recv, bool sendPromised) {}
-  // Sender: deliver the bytes, given what armRecv returned on the receiver.
-  virtual void startSend(const std::shared_ptr<Op>& send, Peer& destination,
-                         const std::string& channelData) = 0;
-  // An op with no partner process (to the rank itself) has started: the channel, which paired
-  // it at its post, ends it through Done.
-  virtual void start(const std::shared_ptr<Op>& op) {}
-  // The op has failed: stop its transfer where possible. Done still follows once the channel
-  // no longer touches the buffer.
-  virtual void cancel(Op& op) = 0;
-  // The partner told us it will never move this op's bytes.
-  virtual void partnerGaveUp(Op& op) { cancel(op); }
-  // The caller has been told the op's outcome: releases the waits on the caller's side that
-  // no copy will release now.
-  virtual void ended(Op& op, const Status& status) {}
-  // The op has ended and no transfer touches its buffer: gives back what prepare() took.
-  virtual void release(Op& op) {}
-  // Whether the op, not yet ended, may still move bytes after its caller's wait() returned.
-  virtual bool outlivesWait(const Op& op) const { return false; }
-
-  // A sender's channel notice (ChannelNotice) for this channel.
-  virtual void onNotice(Peer& source, const std::string& data) {}
-  // The owner freed CUDA memory it had exported to this process (MemoryReleased).
-  virtual void onMemoryReleased(const std::string& owner, const std::vector<uint64_t>& ids) {}
-
-  // Channels that watch memory rather than wait for events are driven from the progress loop.
-  virtual bool progress() { return false; }
-  virtual bool busy() const { return false; }
-  // Every few tens of milliseconds: what need not run on every pass.
-  virtual void sweep() {}
-  // The device whose context the progress thread keeps current for this channel; -1: none.
-  virtual int contextDevice() const { return -1; }
-  // Stops the channel's own threads (process exit).
-  virtual void stop() {}
-
-  // For the pending-op table: what the op still waits for; empty if nothing to say.
-  virtual std::string describeWait(const Op& op) const { return {}; }
-  // For the pending-op table's end: the memory the channel holds for peers; empty if none.
-  virtual std::string describeMemory() const { return {}; }
-  virtual void addStats(std::map<std::string, int64_t>& stats) const {}
+ private:
+  const Capabilities capabilities_;
 };
 
 }  // namespace smfree::engine

@@ -9,7 +9,8 @@
 namespace smfree::engine {
 
 // The engine's data channels, by kind. Iterated in the order the progress loop drives them:
-// the copy engines, the captured ops, UCX, then the ops to the rank itself.
+// the copy engines, the captured ops, UCX, then the ops to the rank itself. Members of an
+// optional group reach only the channels that declare it.
 class Channels {
  public:
   Channels(std::unique_ptr<Channel> copyEngine, std::unique_ptr<Channel> captured,
@@ -23,9 +24,29 @@ class Channels {
   void forEach(Visit visit) {
     for (auto& channel : all_) visit(*channel);
   }
-  // Whether any channel has commitments in flight (Channel::committed).
-  bool committed() const { return any([](const Channel& c) { return c.committed(); }); }
-  bool busy() const { return any([](const Channel& c) { return c.busy(); }); }
+  // Over the channels that declare `group`.
+  template <typename Visit>
+  void forEach(Capability group, Visit visit) {
+    for (auto& channel : all_) {
+      if (channel->declares(group)) visit(*channel);
+    }
+  }
+  // The admission hooks (Capability::kAdmission): false where one holds the op back.
+  bool admit(const std::shared_ptr<Op>& op) {
+    return std::all_of(all_.begin(), all_.end(), [&](const auto& c) {
+      return !c->declares(Capability::kAdmission) || c->admit(op);
+    });
+  }
+  bool busy() const {
+    return std::any_of(all_.begin(), all_.end(), [](const auto& c) {
+      return c->declares(Capability::kProgress) && c->busy();
+    });
+  }
+  // To the channel of that kind, if it takes notices.
+  void notify(ChannelKind kind, const Notice& notice) {
+    Channel& channel = of(kind);
+    if (channel.declares(Capability::kNotices)) channel.onNotice(notice);
+  }
   // Destroys them in reverse: UCX before the copy engines, its receive lane after its
   // endpoints' flushes.
   void reset() {
@@ -45,10 +66,6 @@ class Channels {
         break;
     }
     return 2;
-  }
-  template <typename Test>
-  bool any(Test test) const {
-    return std::any_of(all_.begin(), all_.end(), [&](const auto& c) { return test(*c); });
   }
 
   std::array<std::unique_ptr<Channel>, 4> all_;

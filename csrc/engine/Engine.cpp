@@ -60,8 +60,10 @@ Engine::Engine(Private)
   const Channel::Done onDone = [this](const std::shared_ptr<Op>& op, const Status& status) {
     rendezvous_->onTransferDone(op, status);
   };
-  auto ucx =
-      std::make_unique<UcxChannel>(*ucx_, *worker_, *cudaOps_, thread_, config_, spin_, onDone);
+  // UCX's admission hook holds ops back and starts them again here (Channel::admit).
+  auto ucx = std::make_unique<UcxChannel>(
+      *ucx_, *worker_, *cudaOps_, thread_, config_, spin_, onDone,
+      [this](const std::shared_ptr<Op>& op) { rendezvous_->startOp(op); });
   local_ = PeerAddress::local(worker_->address(), ucx->receiveAddress(),
                               cudaOps_->flags().ref());
   auto copyEngine = std::make_unique<CopyEngineChannel>(
@@ -176,7 +178,9 @@ std::map<std::string, int64_t> Engine::stats() {
     std::map<std::string, int64_t> stats{
         {"live_ops", static_cast<int64_t>(rendezvous_->liveOps())},
         {"flag_words_in_use", static_cast<int64_t>(cudaOps_->flags().inUse())}};
-    channels_->forEach([&](Channel& channel) { channel.addStats(stats); });
+    ChannelReport report;
+    channels_->forEach([&](Channel& channel) { channel.report(report); });
+    stats.insert(report.stats.begin(), report.stats.end());
     return stats;
   }, std::chrono::seconds(10), "reading stats");
 }
@@ -204,7 +208,7 @@ PeerRoute Engine::attachPeer(uint64_t groupId, int rank, const PeerAddress& addr
     peers_->fail(address.processKey, *attached.unreachable);
     return {};
   }
-  return channels_->of(ChannelKind::kUcx).route(*attached.peer);
+  return attached.peer->route;
 }
 
 void Engine::onControlMessage(const void* data, size_t length) {
@@ -219,13 +223,13 @@ void Engine::onControlMessage(const void* data, size_t length) {
         if constexpr (std::is_same_v<T, Refusal>) rendezvous_->onRefusal(message);
         if constexpr (std::is_same_v<T, Cancellation>) rendezvous_->onCancellation(message);
         if constexpr (std::is_same_v<T, MemoryReleased>) {
-          channels_->of(ChannelKind::kCopyEngine).onMemoryReleased(message.owner, message.ids);
+          channels_->notify(ChannelKind::kCopyEngine, MemoryFreed{message.owner, message.ids});
         }
         if constexpr (std::is_same_v<T, ChannelNotice>) {
           // A failed peer's notices are void: its channel state is gone.
           if (sender && !sender->failed) {
             try {
-              channels_->of(message.channel).onNotice(*sender, message.data);
+              channels_->notify(message.channel, PeerNotice{*sender, message.data});
             } catch (const BadPeerValue& error) {
               rendezvous_->badValueFrom(*sender, error);
             }

@@ -120,7 +120,7 @@ void Group::checkCapture(OpRequest& request) const {
   }
 }
 
-std::optional<CudaFence> Group::post(OpRequest request) {
+std::optional<OpFence> Group::post(OpRequest request) {
   if (closed_) {
     fail("group '", config_->name, "' is closed");
   }
@@ -138,32 +138,32 @@ std::optional<CudaFence> Group::post(OpRequest request) {
   }
   std::lock_guard<std::mutex> numbering(postMutex_);
   const bool placeKnown = number(*op);
-  std::optional<CudaFence> fence;
-  if (onCuda) {
-    PostOptions options{timeout(), {}, {}, placeKnown};
-    if (peer != kAnySource) {
-      options.route.stagedThroughHost = stagesCuda_[peer];
-      std::lock_guard<std::mutex> lock(keysMutex_);
-      options.peerKey = addresses_[peer].processKey;
-      options.peer = &addresses_[peer];
-    }
-    try {
+  std::optional<OpFence> fence;
+  Channel& channel = engine_->channel(op->channel);
+  PostOptions options{timeout(), {}, {}, placeKnown};
+  if (onCuda && peer != kAnySource) {
+    options.route.stagedThroughHost = stagesCuda_[peer];
+    std::lock_guard<std::mutex> lock(keysMutex_);
+    options.peerKey = addresses_[peer].processKey;
+    options.peer = &addresses_[peer];
+  }
+  try {
+    if (onCuda) {
       // A user's CUDA graph capture, in progress on this thread or another, neither refuses
       // nor is broken by what the channel calls here.
       cuda::RelaxedCapture relaxed;
-      fence = engine_->channel(op->channel).prepare(*op, options);
-    } catch (...) {
-      unnumber(*op);  // not posted: the next op takes its place in the line
-      throw;
+      op->channelOp = channel.prepare(*op, options);
+    } else {
+      // A CPU op to the rank itself is paired here, its bytes moved if its partner came first.
+      op->channelOp = channel.prepare(*op, options);
     }
-  } else if (op->channel == ChannelKind::kLoopback) {
-    // A CPU op to the rank itself: paired, and its bytes moved if its partner came first.
-    try {
-      engine_->channel(op->channel).prepare(*op, PostOptions{timeout(), {}, {}, placeKnown});
-    } catch (...) {
-      unnumber(*op);
-      throw;
-    }
+  } catch (...) {
+    unnumber(*op);  // not posted: the next op takes its place in the line
+    throw;
+  }
+  if (onCuda) {
+    fence = OpFence{op->channel, op->channelOp->traits().queuedByWait,
+                    op->request.capture.has_value(), op->channelOp};
   }
   op->posted = Clock::now();
   op->deadline = op->posted + timeout();
@@ -227,14 +227,14 @@ Clock::time_point Group::queuedDeadline() const {
   return Clock::now() + timeout() + kQueuedMargin;
 }
 
-bool Group::pollQueued(const CudaFence& fence, Clock::time_point deadline) {
+bool Group::pollQueued(const OpFence& fence, Clock::time_point deadline) {
   cuda::RelaxedCapture relaxed;  // a staged recv queues its copies in from here
-  Channel& channel = engine_->channel(fence.channel);
-  return pollUntil([&] { return channel.fenceQueued(fence); }, engine_->spin().get(), deadline);
+  CudaFence& queued = *fence.fence;
+  return pollUntil([&] { return queued.queued(); }, engine_->spin().get(), deadline);
 }
 
-void Group::awaitQueued(const CudaFence& fence) {
-  if (fence.stagedRecv) {
+void Group::awaitQueued(const OpFence& fence) {
+  if (fence.queuedByWait) {
     queueCopiesInBy(fence, Clock::time_point::max());  // throws at the deadline
     return;
   }
@@ -245,16 +245,16 @@ void Group::awaitQueued(const CudaFence& fence) {
   }
 }
 
-bool Group::queueCopiesInBy(const CudaFence& fence, Clock::time_point until) {
+bool Group::queueCopiesInBy(const OpFence& fence, Clock::time_point until) {
   const auto deadline = queuedDeadline();
   if (pollQueued(fence, std::min(until, deadline))) return true;
   if (until < deadline) return false;
   fail("the recv did not match, or its bytes did not land, in time");
 }
 
-bool Group::queueCopiesInOnceMatched(const CudaFence& fence) {
+bool Group::queueCopiesInOnceMatched(const OpFence& fence) {
   cuda::RelaxedCapture relaxed;
-  return engine_->channel(fence.channel).fenceQueued(fence);
+  return fence.fence->queued();
 }
 
 std::optional<std::string> Group::failureAfterWait() {
@@ -265,8 +265,8 @@ void Group::recordFailureAfterWait(std::string why) {
   engine_->failures().recordAfterWait(id_, std::move(why));
 }
 
-void Group::checkWaitable(void* stream, const CudaFence& fence) const {
-  const bool captured = fence.channel == ChannelKind::kCaptured || fence.insideCapture;
+void Group::checkWaitable(void* stream, const OpFence& fence) const {
+  const bool captured = fence.insideCapture;
   const std::optional<cuda::Capture> capture = cuda::captureOf(static_cast<CUstream>(stream));
   if (captured && !capture) {
     fail("the op was captured in a CUDA graph: wait for it inside its capture, on a stream "
@@ -278,9 +278,9 @@ void Group::checkWaitable(void* stream, const CudaFence& fence) const {
   }
 }
 
-void Group::waitOnStream(void* stream, int device, const CudaFence& fence) {
+void Group::waitOnStream(void* stream, int device, const OpFence& fence) {
   cuda::RelaxedCapture relaxed;
-  engine_->channel(fence.channel).waitOnStream(stream, device, fence);
+  fence.fence->waitOnStream(stream, device);
 }
 
 void Group::close(StatusCode code, const std::string& reason, bool abort) {

@@ -45,21 +45,21 @@ class Group {
   void checkCapture(OpRequest& request) const;
   // Never blocks on the transfer; `request.onComplete` reports the outcome. For a CUDA op it
   // returns what streams wait on (waitOnStream) to see the op's buffer done with.
-  std::optional<CudaFence> post(OpRequest request);
+  std::optional<OpFence> post(OpRequest request);
   // At wait(), before anything else: throws Error if `stream` cannot wait for the op, that is
   // if one of the two takes part in a CUDA graph capture and the other does not.
-  void checkWaitable(void* stream, const CudaFence& fence) const;
+  void checkWaitable(void* stream, const OpFence& fence) const;
   // Returns once the partner has posted and the copy is submitted, or the op failed; throws
   // if neither happens within the group timeout.
-  void awaitQueued(const CudaFence& fence);
-  // A caller-staged recv (CudaFence::stagedRecv): queues its copies in if its match allows that
+  void awaitQueued(const OpFence& fence);
+  // A caller-staged recv (OpFence::queuedByWait): queues its copies in if its match allows that
   // now, without blocking; true once they are queued or it failed.
-  bool queueCopiesInOnceMatched(const CudaFence& fence);
+  bool queueCopiesInOnceMatched(const OpFence& fence);
   // The same, waiting for that until `until` (a wait() with a timeout); false if `until` came
   // first, and throws if the group timeout did.
-  bool queueCopiesInBy(const CudaFence& fence, Clock::time_point until);
+  bool queueCopiesInBy(const OpFence& fence, Clock::time_point until);
   // Makes `stream` wait for the copy on the GPU; call only after awaitQueued.
-  void waitOnStream(void* stream, int device, const CudaFence& fence);
+  void waitOnStream(void* stream, int device, const OpFence& fence);
   // Fails every pending op with `reason` and refuses new ones; returns once that is done.
   // Unless `abort`, it first lets the ops whose wait() has returned finish moving.
   void close(StatusCode code, const std::string& reason, bool abort);
@@ -90,7 +90,7 @@ class Group {
   }
   // Polls the fence's channel until the op's copies are queued; false if `deadline` comes
   // first.
-  bool pollQueued(const CudaFence& fence, Clock::time_point deadline);
+  bool pollQueued(const OpFence& fence, Clock::time_point deadline);
   // How long a caller waits for an op's copy to be queued before it blames a stuck engine.
   Clock::time_point queuedDeadline() const;
 

@@ -26,7 +26,7 @@ class GroupEngine {
   virtual const Spin& spin() const = 0;
   virtual const PeerAddress& localAddress() const = 0;
   virtual Failures& failures() = 0;
-  // The channel of that kind, for its caller-thread methods.
+  // The channel of that kind, for prepare() on the caller's thread.
   virtual Channel& channel(ChannelKind kind) = 0;
   virtual uint64_t nextOpId() = 0;
 
@@ -36,7 +36,7 @@ class GroupEngine {
   // Hands a prepared op to the progress thread, which starts it.
   virtual void post(std::shared_ptr<Op> op) = 0;
   // Waits, until `deadline` at most, for the ops whose wait() returned before they ended
-  // (Channel::outlivesWait) to finish: of one group, or of all.
+  // (ChannelOp::outlivesWait) to finish: of one group, or of all.
   virtual void awaitReleasedOps(std::optional<uint64_t> groupId, Clock::time_point deadline) = 0;
   virtual void closeGroup(uint64_t groupId, StatusCode code, const std::string& reason) = 0;
   virtual std::string dumpPending(uint64_t groupId) = 0;

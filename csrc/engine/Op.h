@@ -58,11 +58,7 @@ struct OpRequest {
 };
 
 struct GroupConfig;
-
-// A channel's own state of an op, from its post to its release; each channel defines its kind.
-struct OpChannelState {
-  virtual ~OpChannelState() = default;
-};
+class ChannelOp;
 
 // An op's life on the progress thread, in order; Rendezvous::transition() is the one place
 // it changes, and only forward.
@@ -92,8 +88,9 @@ struct Op : std::enable_shared_from_this<Op> {
   int outstanding = 0;     // channel requests that still reference the buffer
   bool awaitsProgress = false;  // live, and its caller's wait() may wait for the progress thread
   ChannelKind channel = ChannelKind::kUcx;  // chosen at the post; CPU tensors go over UCX
-  // What the channel took for the op at its post (flags, events, staging): CUDA ops only.
-  std::unique_ptr<OpChannelState> channelState;
+  // Its channel's part of it (Channel::prepare, at the post): what the channel took for the op
+  // (flags, events, staging) and what it keeps while the op lives.
+  std::shared_ptr<ChannelOp> channelOp;
 
   bool isSend() const { return request.kind == OpKind::kSend; }
   bool isCollective() const { return request.tag == kCollectiveTag; }

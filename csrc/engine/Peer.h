@@ -5,6 +5,7 @@
 #include <string>
 
 #include "engine/PeerAddress.h"
+#include "engine/PeerRoute.h"
 #include "engine/ProcessWatch.h"
 #include "engine/transports/ucx/UcxEndpoint.h"
 
@@ -18,6 +19,7 @@ struct Peer {
   // To its engine's worker, for control messages (what the channels keep per peer is
   // theirs); null once a failed same-host peer was closed.
   std::unique_ptr<UcxEndpoint> endpoint;
+  PeerRoute route;  // what its channels' connect() decided
   bool failed = false;
   std::string failure;
   // When a control message last came from it, and when it was last probed (PeerTable). One

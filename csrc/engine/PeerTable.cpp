@@ -54,7 +54,8 @@ std::unique_ptr<Peer> PeerTable::makePeer(const PeerAddress& address,
     peer->endpoint = std::make_unique<UcxEndpoint>(
         worker_.handle(), address.workerAddress, !peer->sameHost, peer->describe(),
         [onError](ucs_status_t status) { onError(ucxPeerErrorText(status)); });
-    channels_.forEach([&](Channel& channel) { channel.connect(*peer, onError); });
+    channels_.forEach(Capability::kEndpoints,
+                      [&](Channel& channel) { peer->route = channel.connect(*peer, onError); });
   } catch (const Error& error) {
     // UCX cannot attach to the shared memory or socket of an engine that has closed.
     if (peer->endpoint) peer->endpoint->peerGone();  // unreachable: no flush to wait for
@@ -138,7 +139,8 @@ void PeerTable::check() {
     if (peer->failed && peer->sameHost && peer->endpoint) {
       peer->endpoint->peerGone();
       peer->endpoint.reset();
-      channels_.forEach([&](Channel& channel) { channel.disconnect(*peer); });
+      channels_.forEach(Capability::kEndpoints,
+                        [&](Channel& channel) { channel.disconnect(*peer); });
     }
   }
 }

@@ -98,11 +98,11 @@ void ProgressLoop::run() {
 
 bool ProgressLoop::turn(Clocks& clocks, cuda::CurrentContext& channelContext) {
   if (!runCommands()) return false;
-  rendezvous_.startHeldOps();
   bool active = false;
-  channels_.forEach([&](Channel& channel) {
-    active = channel.progress() || active;
-    if (const int device = channel.contextDevice(); device >= 0) channelContext.use(device);
+  channels_.forEach(Capability::kProgress, [&](Channel& channel) {
+    const Progress progress = channel.progress();
+    active = progress.active || active;
+    if (progress.contextDevice >= 0) channelContext.use(progress.contextDevice);
   });
   for (int calls = 0; calls < kMostWorkerProgressPerTurn && worker_.progress() != 0; ++calls) {
     active = true;
@@ -125,7 +125,7 @@ bool ProgressLoop::turn(Clocks& clocks, cuda::CurrentContext& channelContext) {
   }
   if (now - clocks.sweep >= kExportSweepInterval) {
     clocks.sweep = now;
-    channels_.forEach([](Channel& channel) { channel.sweep(); });
+    channels_.forEach(Capability::kSweep, [](Channel& channel) { channel.sweep(); });
   }
   // Polling serves callers waiting on this thread; ops whose wait() returns at once (eager
   // sends, collective lanes' pieces) keep no thread awake for themselves.

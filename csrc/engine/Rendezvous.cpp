@@ -75,12 +75,10 @@ void Rendezvous::shutDown() {
   thread_.check("Rendezvous::shutDown");
   std::vector<std::shared_ptr<Op>> left;
   for (const auto& [id, op] : live_) left.push_back(op);
-  left.insert(left.end(), heldOps_.begin(), heldOps_.end());
   for (const std::shared_ptr<Op>& op : left) {
     const std::string why = concat(op->describe(), " failed: the smfree engine shut down");
     failOp(op, StatusCode::kAborted, why);
   }
-  heldOps_.clear();
   live_.clear();
   groups_.clear();
 }
@@ -125,22 +123,13 @@ void Rendezvous::closeGroup(uint64_t groupId, StatusCode code, const std::string
   for (auto& op : affected) {
     const bool moving = op->state == OpState::kMoving;
     failOp(op, code, concat(op->describe(), " failed: ", reason));
-    if (moving) channels_.of(*op).cancel(*op);
+    if (moving) op->channelOp->cancel(*op, Cancel::kFailed);
   }
   for (Matcher* matcher : {&group->matcher, &group->capturedMatcher}) {
     matcher->forEachWaiting(
         [&](const Announcement& announcement) { discardAnnounced(*group, announcement.rts); });
     matcher->clear();
   }
-  std::deque<std::shared_ptr<Op>> held;
-  for (auto& op : heldOps_) {
-    if (op->groupId != groupId) {
-      held.push_back(op);
-    } else {
-      failOp(op, code, concat(op->describe(), " failed: ", reason));
-    }
-  }
-  heldOps_.swap(held);
 }
 
 size_t Rendezvous::releasedOpsInFlight(std::optional<uint64_t> groupId) {
@@ -148,7 +137,7 @@ size_t Rendezvous::releasedOpsInFlight(std::optional<uint64_t> groupId) {
   size_t count = 0;
   for (const auto& [id, op] : live_) {
     if (groupId && op->groupId != *groupId) continue;
-    if (!op->finished() && channels_.of(*op).outlivesWait(*op)) ++count;
+    if (!op->finished() && op->channelOp->outlivesWait(*op)) ++count;
   }
   return count;
 }
@@ -165,7 +154,7 @@ std::string Rendezvous::dumpPending(uint64_t groupId) {
         << (op->state == OpState::kMoving
                 ? "moving data"
                 : (op->isSend() ? "waiting for the receiver" : "waiting for a matching send"));
-    if (const std::string wait = channels_.of(*op).describeWait(*op); !wait.empty()) {
+    if (const std::string wait = op->channelOp->describe(*op); !wait.empty()) {
       out << " [flags " << wait << "]";
     }
     out << "\n";
@@ -181,28 +170,24 @@ std::string Rendezvous::dumpPending(uint64_t groupId) {
       });
     }
   }
-  channels_.forEach([&](const Channel& channel) {
-    if (const std::string memory = channel.describeMemory(); !memory.empty()) {
-      out << "  " << memory << "\n";
-    }
-  });
+  ChannelReport report;
+  channels_.forEach([&](const Channel& channel) { channel.report(report); });
+  for (const std::string& memory : report.memory) out << "  " << memory << "\n";
   return concat(count, " pending:\n", out.str());
 }
 
-void Rendezvous::startHeldOps() {
-  if (heldOps_.empty() || channels_.committed()) return;
-  std::deque<std::shared_ptr<Op>> held;
-  held.swap(heldOps_);
-  for (const std::shared_ptr<Op>& op : held) startOp(op);
-}
-
 std::optional<Status> Rendezvous::refusalAtStart(const Op& op, const GroupState* group) {
-  if (!group || group->closed) {
+  if (!group || group->config != op.config) {
     return Status::failure(StatusCode::kAborted,
                            concat(op.describe(), " failed: the group is closed"));
   }
+  if (group->closed) {
+    // Also an op that an admission hook held back past the close.
+    return Status::failure(StatusCode::kAborted, concat(op.describe(), " failed: ",
+                                                        group->closeReason));
+  }
   // A recv from any source waits for whichever peer; an op to the rank itself has none.
-  if (op.request.peer == kAnySource || op.channel == ChannelKind::kLoopback) {
+  if (op.request.peer == kAnySource || op.channelOp->traits().withinProcess) {
     return std::nullopt;
   }
   const Peer* peer = group->peers[op.request.peer];
@@ -219,18 +204,8 @@ std::optional<Status> Rendezvous::refusalAtStart(const Op& op, const GroupState*
 
 void Rendezvous::startOp(const std::shared_ptr<Op>& op) {
   thread_.check("Rendezvous::startOp");
-  if (!heldOps_.empty()) {
-    heldOps_.push_back(op);  // ops start in posting order: they match in it
-    return;
-  }
-  if (channels_.of(*op).callsCudaOnProgressThread(*op)) {
-    channels_.forEach([&](Channel& channel) { channel.progressThreadCallsCuda(*op); });
-    // Its CUDA calls could stall this thread while a peer's stream waits for bytes it moves.
-    if (channels_.committed()) {
-      heldOps_.push_back(op);
-      return;
-    }
-  }
+  // A channel may hold the op back (UCX's commitments); it starts it here again later.
+  if (!channels_.admit(op)) return;
   GroupState* group = findGroup(op->groupId);
   if (const auto refusal = refusalAtStart(*op, group)) {
     transition(op, OpState::kEnded, *refusal);
@@ -239,29 +214,28 @@ void Rendezvous::startOp(const std::shared_ptr<Op>& op) {
   }
   live_.emplace(op->id, op);
   // A caller may wait on this thread for it (a rendezvous's wait()): the loop keeps polling.
-  op->awaitsProgress = !channels_.of(*op).outlivesWait(*op);
+  op->awaitsProgress = !op->channelOp->traits().returnsAtOnce;
   if (op->awaitsProgress) ++awaitingProgress_;
   transition(op, OpState::kWaiting);
-  if (op->channel == ChannelKind::kLoopback) {
-    // To the rank itself: paired at its post, no message to send; its channel ends it.
+  if (op->channelOp->traits().withinProcess) {
+    // Paired at its post, with no message to send: its channel ends it now that it started.
     if (!op->isSend()) op->source = op->request.peer;
-    channels_.of(*op).start(op);
     return;
   }
   if (op->isSend()) {
     Peer& peer = *group->peers[op->request.peer];
-    const bool promised = channels_.of(*op).promiseSend(*op);
-    // Announced first: preparing may take a while (pinned memory allocated), and the receiver
-    // can match meanwhile.
-    peers_.send(peer, ReadyToSend{op->groupId, group->config->rank, op->request.tag, op->seq,
-                                  op->id, op->request.desc, op->channel, promised,
-                                  channels_.of(*op).announce(*op)});
+    ChannelAnnouncement announcement;
     try {
-      channels_.of(*op).prepareSend(op, peer);
+      announcement = op->channelOp->announce(op, peer);
     } catch (const Error& error) {
-      // Its clear-to-send then finds it failed and tells the receiver.
+      // Announced all the same, and cancelled: its receiver's line keeps its place.
       failOp(op, StatusCode::kTransport, error.what());
+      keepPlace(op, group, error.what());
+      return;
     }
+    peers_.send(peer, ReadyToSend{op->groupId, group->config->rank, op->request.tag, op->seq,
+                                  op->id, op->request.desc, op->channel, announcement.promised,
+                                  std::move(announcement.channelData)});
     return;
   }
   if (auto match = group->matcherFor(op->channel).postRecv(op)) {
@@ -291,7 +265,7 @@ void Rendezvous::onReadyToSend(const ReadyToSend& message) {
   if (!rankInGroup(*group, message)) return;
   Peer* sender = group->peers[message.source];
   if (sender && !message.channelData.empty()) {
-    channels_.of(message.channel).announced(*sender, message);
+    channels_.notify(message.channel, SendAnnounced{*sender, message});
   }
   announceOrFail(*group, message);
 }
@@ -355,7 +329,7 @@ void Rendezvous::failOpsWith(Peer& peer, StatusCode code, const std::string& why
   for (auto& op : affected) {
     const bool moving = op->state == OpState::kMoving;
     failOp(op, code, concat(op->describe(), " failed: ", why));
-    if (moving) channels_.of(*op).cancel(*op);
+    if (moving) op->channelOp->cancel(*op, Cancel::kFailed);
   }
 }
 
@@ -435,7 +409,7 @@ void Rendezvous::onMatched(GroupState& group, Matcher::Match& match) {
   }
   transition(recv, OpState::kMoving);
   try {
-    clear.channelData = channels_.of(*recv).armRecv(recv, *sender, rts.channelData);
+    clear.channelData = recv->channelOp->arm(recv, *sender, rts.channelData);
   } catch (const BadPeerValue& error) {
     discardAnnounced(group, rts, recv.get());
     badValueFrom(*sender, error);  // the recv with the others of that peer
@@ -450,7 +424,7 @@ void Rendezvous::onMatched(GroupState& group, Matcher::Match& match) {
     return;
   }
   peers_.send(*sender, clear);
-  channels_.of(*recv).cleared(recv, rts.promised);
+  recv->channelOp->start(recv, *sender, {}, rts.promised);
 }
 
 void Rendezvous::onClearToSend(const ClearToSend& message) {
@@ -492,7 +466,7 @@ void Rendezvous::onClearToSend(const ClearToSend& message) {
     if (const auto gone = send->request.bufferCheck ? send->request.bufferCheck() : std::nullopt) {
       throw Error(concat(send->describe(), " failed: ", *gone));
     }
-    channels_.of(*send).startSend(send, *receiver, message.channelData);
+    send->channelOp->start(send, *receiver, message.channelData, false);
   } catch (const BadPeerValue& error) {
     badValueFrom(*receiver, error);  // the send with the others of that peer
     peers_.send(*receiver, Cancellation{message.group, group->config->rank, 0, 0, message.recvId,
@@ -540,7 +514,7 @@ void Rendezvous::onCancellation(const Cancellation& message) {
     // hold the buffer for bytes that will now never come.
     const bool armed = recv->outstanding > 0;
     failOp(recv, StatusCode::kTimeout, concat(recv->describe(), " failed: ", message.reason));
-    if (armed) channels_.of(*recv).partnerGaveUp(*recv);
+    if (armed) recv->channelOp->cancel(*recv, Cancel::kPartnerGaveUp);
     return;
   }
   if (GroupState* group = findGroup(message.group)) {
@@ -618,7 +592,7 @@ void Rendezvous::expire(const std::shared_ptr<Op>& op, Clock::time_point now) {
   const std::string why = timeoutMessage(*op, now);
   failOp(op, StatusCode::kTimeout, why);
   if (moving) {
-    channels_.of(*op).cancel(*op);
+    op->channelOp->cancel(*op, Cancel::kFailed);
   }
   // An announced send still holds a place in the receiver's line: tell it the send gave up.
   if (op->isSend() && !moving) {
@@ -649,11 +623,11 @@ bool Rendezvous::transition(const std::shared_ptr<Op>& op, OpState next, const S
       }
     }
     // After the callback, so a caller whose stream wait the channel releases sees the error.
-    channels_.of(*op).ended(*op, status);
+    op->channelOp->end(*op, status);
     transition(op, OpState::kReleased);
   } else if (next == OpState::kReleased) {
     op->request.keepalive.reset();
-    channels_.of(*op).release(*op);
+    op->channelOp->release(*op);
     live_.erase(op->id);
     if (op->awaitsProgress) --awaitingProgress_;
   }
@@ -667,7 +641,7 @@ void Rendezvous::discardAnnounced(GroupState& group, const ReadyToSend& rts, Op*
                      : nullptr;
   // A failed sender's channel state is gone with it.
   if (sender && !sender->failed) {
-    channels_.of(rts.channel).discard(*sender, rts, recv);
+    channels_.notify(rts.channel, SendUnarmed{*sender, rts, recv});
   }
 }
 

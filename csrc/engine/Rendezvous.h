@@ -36,10 +36,9 @@ class Rendezvous {
   // Fails the group's pending ops with `reason` and refuses new ones.
   void closeGroup(uint64_t groupId, StatusCode code, const std::string& reason);
 
-  // A posted op: announced (send) or matched (recv) unless it is refused.
+  // A posted op: announced (send) or matched (recv) unless it is refused; also an op that an
+  // admission hook held back (Channel::admit), once it lets it start.
   void startOp(const std::shared_ptr<Op>& op);
-  // Starts the ops held back while a channel was committed, once none is.
-  void startHeldOps();
 
   void onReadyToSend(const ReadyToSend& message);
   void onClearToSend(const ClearToSend& message);
@@ -125,9 +124,6 @@ class Rendezvous {
   size_t awaitingProgress_ = 0;  // of live_
   std::unordered_map<uint64_t, std::vector<ReadyToSend>> orphans_;  // for groups not joined yet
   size_t orphanCount_ = 0;  // of orphans_, all groups
-  // Ops that make CUDA calls on this thread, held while a channel is committed, and the ops
-  // started after them (ops start in posting order: they match in it).
-  std::deque<std::shared_ptr<Op>> heldOps_;
 };
 
 }  // namespace smfree::engine

@@ -43,8 +43,10 @@ struct Loopback {
     pairing.post(*op);
     return op;
   }
+  // As the engine starts an op (Rendezvous::startOp) and then drives the channel.
   void start(const std::shared_ptr<Op>& op) {
-    for (const LoopbackPairing::Report& report : pairing.start(*op)) {
+    op->state = OpState::kWaiting;
+    for (const LoopbackPairing::Report& report : pairing.progress()) {
       ended.emplace(report.op->id, report.status);
       pairing.ended(*report.op);  // as the engine's end does
     }

@@ -24,7 +24,7 @@ void takeWord(CUstream chain, void* waiting, void* word, const char* what) {
 
 }  // namespace
 
-CudaFence CapturedChannel::prepare(Op& op, const PostOptions& options) {
+std::shared_ptr<ChannelOp> CapturedChannel::prepare(Op& op, const PostOptions& options) {
   const cuda::Capture& capture = *op.request.capture;
   auto captured = std::make_shared<CapturedOp>();
   captured->isSend = op.isSend();
@@ -65,8 +65,7 @@ CudaFence CapturedChannel::prepare(Op& op, const PostOptions& options) {
     std::lock_guard<std::mutex> lock(capturedMutex_);
     captured_.push_back(captured);
   }
-  op.channelState = std::make_unique<CapturedState>(captured);
-  return CudaFence{.channel = ChannelKind::kCaptured, .captured = std::move(captured)};
+  return std::make_shared<CapturedChannelOp>(*this, std::move(captured));
 }
 
 bool CapturedChannel::postRecv(CapturedOp& recv, const Op& op, const PostOptions& options,
@@ -193,12 +192,13 @@ void CapturedChannel::queueRecv(CapturedOp& recv) {
   recv.phase = CapturedOp::Phase::kQueued;
 }
 
-bool CapturedChannel::fenceQueued(const CudaFence& fence) {
-  return fence.captured->phase.load() != CapturedOp::Phase::kPosted;
+bool CapturedChannelOp::queued() { return op_->phase.load() != CapturedOp::Phase::kPosted; }
+
+void CapturedChannelOp::waitOnStream(void* stream, int /*device*/) {
+  channel_.waitOnStream(stream, *op_);
 }
 
-void CapturedChannel::waitOnStream(void* stream, int device, const CudaFence& fence) {
-  CapturedOp& op = *fence.captured;
+void CapturedChannel::waitOnStream(void* stream, CapturedOp& op) {
   const std::optional<cuda::Capture> capture = cuda::captureOf(static_cast<CUstream>(stream));
   if (!capture || capture->id != op.captureId) {
     fail(op.what, " was captured in another CUDA graph than the current stream captures: wait "

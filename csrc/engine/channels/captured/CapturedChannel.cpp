@@ -24,7 +24,9 @@ void CapturedChannel::Graveyard::bury(std::shared_ptr<CapturedOp> op) {
 
 CapturedChannel::CapturedChannel(CudaOps& cudaOps, const ProgressThread& thread,
                                  Failures& failures, Done onDone, Notify notify)
-    : thread_(thread),
+    : Channel({Capability::kNotices, Capability::kProgress, Capability::kSweep,
+               Capability::kSameHostOnly}),
+      thread_(thread),
       failures_(failures),
       flags_(cudaOps.flags()),
       onDone_(std::move(onDone)),
@@ -38,8 +40,6 @@ CapturedChannel::~CapturedChannel() {
     buried.swap(graveyard_->buried);
   }
 }
-
-bool CapturedChannel::reaches(const Peer& peer) const { return peer.sameHost; }
 
 std::string CapturedChannel::announce(const Op& send) {
   const CapturedOp& op = capturedOf(send);
@@ -88,18 +88,22 @@ std::string CapturedChannel::armRecv(const std::shared_ptr<Op>& recv, Peer& sour
   return {};
 }
 
-bool CapturedChannel::progress() {
+Progress CapturedChannel::progress() {
   std::vector<std::pair<std::string, std::string>> notices;
   {
     std::lock_guard<std::mutex> lock(outboxMutex_);
     notices.swap(outbox_);
   }
   for (auto& [peer, data] : notices) notify_(peer, std::move(data));
-  return !notices.empty();
+  return Progress{!notices.empty()};
 }
 
-void CapturedChannel::onNotice(Peer& source, const std::string& data) {
+void CapturedChannel::onNotice(const Notice& notice) {
   thread_.check("CapturedChannel::onNotice");
+  const auto* posted = std::get_if<PeerNotice>(&notice);
+  if (!posted) return;  // its announcements hold nothing to give back
+  Peer& source = posted->source;
+  const std::string& data = posted->data;
   PostedRecvs::Entry entry;
   entry.recv = PostedRecv::read(data);  // a bad one fails the peer's ops (Engine)
   if (source.watch) {
@@ -108,14 +112,6 @@ void CapturedChannel::onNotice(Peer& source, const std::string& data) {
   }
   entry.words = wordsOf(source);
   postedRecvs_.add(source.address.processKey, std::move(entry));
-}
-
-void CapturedChannel::cleared(const std::shared_ptr<Op>& recv, bool) {
-  onDone_(recv, Status::success());  // the rest is the graph's
-}
-
-void CapturedChannel::startSend(const std::shared_ptr<Op>& send, Peer&, const std::string&) {
-  onDone_(send, Status::success());  // its recv matched it: the rest is the graph's
 }
 
 void CapturedChannel::ended(Op& op, const Status& status) {
@@ -233,12 +229,34 @@ void CapturedChannel::stop() {
   }
 }
 
-std::string CapturedChannel::describeWait(const Op& op) const {
-  return capturedOf(op).isSend ? "captured: its recv is to be captured"
-                               : "captured: its send is to be captured";
+CapturedChannelOp::CapturedChannelOp(CapturedChannel& channel, std::shared_ptr<CapturedOp> op)
+    : ChannelOp(OpTraits{.callsCudaOnProgressThread = true}),
+      channel_(channel),
+      op_(std::move(op)) {}
+
+ChannelAnnouncement CapturedChannelOp::announce(const std::shared_ptr<Op>& send, Peer&) {
+  return ChannelAnnouncement{.channelData = channel_.announce(*send)};
 }
 
-void CapturedChannel::addStats(std::map<std::string, int64_t>& stats) const {
+std::string CapturedChannelOp::arm(const std::shared_ptr<Op>& recv, Peer& source,
+                               const std::string& announced) {
+  return channel_.armRecv(recv, source, announced);
+}
+
+void CapturedChannelOp::start(const std::shared_ptr<Op>& op, Peer&, const std::string&, bool) {
+  // A send's recv matched it, a recv's clear-to-send left: the rest is the graph's.
+  channel_.onDone_(op, Status::success());
+}
+
+void CapturedChannelOp::end(Op& op, const Status& status) { channel_.ended(op, status); }
+
+std::string CapturedChannelOp::describe(const Op& op) const {
+  return op_->isSend ? "captured: its recv is to be captured"
+                     : "captured: its send is to be captured";
+}
+
+void CapturedChannel::report(ChannelReport& report) const {
+  std::map<std::string, int64_t>& stats = report.stats;
   std::vector<std::shared_ptr<CapturedOp>> ops = watched_;
   {
     std::lock_guard<std::mutex> lock(capturedMutex_);

@@ -15,6 +15,7 @@
 #include "engine/Failures.h"
 #include "engine/ProgressThread.h"
 #include "engine/channels/captured/CapturedOp.h"
+#include "engine/channels/captured/CapturedChannelOp.h"
 #include "engine/channels/captured/ChainStreams.h"
 #include "engine/channels/captured/PostedRecvs.h"
 #include "engine/cuda/FlagSegment.h"
@@ -88,35 +89,36 @@ class CapturedChannel final : public Channel {
   ~CapturedChannel() override;
 
   // Caller's thread (CapturedCaller.cpp).
-  CudaFence prepare(Op& op, const PostOptions& options) override;
-  bool fenceQueued(const CudaFence& fence) override;
-  void waitOnStream(void* stream, int device, const CudaFence& fence) override;
+  std::shared_ptr<ChannelOp> prepare(Op& op, const PostOptions& options) override;
 
   // Progress thread.
-  bool reaches(const Peer& peer) const override;
-  bool callsCudaOnProgressThread(const Op& op) const override { return true; }
-  std::string announce(const Op& send) override;
-  std::string armRecv(const std::shared_ptr<Op>& recv, Peer& source,
-                      const std::string& announced) override;
-  void cleared(const std::shared_ptr<Op>& recv, bool sendPromised) override;
-  void startSend(const std::shared_ptr<Op>& send, Peer& destination,
-                 const std::string& channelData) override;
-  void cancel(Op& op) override {}  // nothing moves at capture: the op ends as it fails
-  void ended(Op& op, const Status& status) override;
   void peerFailed(Peer& peer) override;
+  // Nothing to wait for: what a graph's replays owe is theirs.
+  void flush(Clock::time_point deadline) override {}
   // Sends the notices of the recvs posted since (PostedRecvs).
-  bool progress() override;
+  Progress progress() override;
+  // It watches no memory: its watchdog runs in sweep().
+  bool busy() const override { return false; }
   // A peer's captured recv was posted: a send of this process may copy straight into it.
-  void onNotice(Peer& source, const std::string& data) override;
+  // Announcements hold nothing to give back.
+  void onNotice(const Notice& notice) override;
   // The watchdog: releases the replays' waits that lasted the group timeout or can no longer
   // end, and lets go of what destroyed graphs held.
   void sweep() override;
   // Process exit: releases every wait a replay may still make.
   void stop() override;
-  std::string describeWait(const Op& op) const override;
-  void addStats(std::map<std::string, int64_t>& stats) const override;
+  void report(ChannelReport& report) const override;
 
  private:
+  friend class CapturedChannelOp;
+
+  // The op's part, for its CapturedChannelOp.
+  std::string announce(const Op& send);
+  std::string armRecv(const std::shared_ptr<Op>& recv, Peer& source,
+                      const std::string& announced);
+  void ended(Op& op, const Status& status);
+  void waitOnStream(void* stream, CapturedOp& op);
+
   // Where destroyed graphs leave their ops (from a thread of the CUDA driver, which allows no
   // CUDA call there); the progress thread lets go of them. Once the channel is gone, ops are
   // left to the process's end.

@@ -113,14 +113,4 @@ struct CapturedOp {
   std::optional<std::string> broken;  // why its graph's waits are released at every replay
 };
 
-// Op::channelState of a captured op.
-struct CapturedState final : OpChannelState {
-  explicit CapturedState(std::shared_ptr<CapturedOp> op) : op(std::move(op)) {}
-  std::shared_ptr<CapturedOp> op;
-};
-
-inline CapturedOp& capturedOf(const Op& op) {
-  return *static_cast<CapturedState&>(*op.channelState).op;
-}
-
 }  // namespace smfree::engine

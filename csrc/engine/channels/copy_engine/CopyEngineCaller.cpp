@@ -14,95 +14,88 @@
 
 namespace smfree::engine {
 
-CudaFence CopyEngineChannel::prepare(Op& op, const PostOptions& options) {
+std::shared_ptr<ChannelOp> CopyEngineChannel::prepare(Op& op, const PostOptions& options) {
   // Where copies within this GPU will bounce is settled (and that GPU's context made) at the
   // device's first op, not in the middle of a transfer.
   if (cuda::localCopies() == cuda::LocalCopies::kPeerGpu) {
     cuda::bounceDevice(op.request.buffer.device);
   }
   cudaOps_.admit(options.timeout);
-  auto state = std::make_unique<CopyEngineOp>();
+  CopyEngineOp state;  // moved into its CopyEngineChannelOp
   // A collective's piece: a collective lane decides, at this post, which side queues its copy.
   const bool byLane = lanesForCollectives_ && op.isCollective() && op.request.buffer.bytes != 0 &&
                       !options.peerKey.empty();
   try {
-    state->queued = flags_.acquire();
+    state.queued = flags_.acquire();
     if (op.isSend()) {
       const int device = op.request.buffer.device;
-      state->produced = cuda::takeEvent(device);
-      state->copied = cuda::takeEvent(device);
-      state->produced->record(static_cast<CUstream>(op.request.stream));
+      state.produced = cuda::takeEvent(device);
+      state.copied = cuda::takeEvent(device);
+      state.produced->record(static_cast<CUstream>(op.request.stream));
       if (byLane) {
-        state->done = flags_.acquire(kDoneSpan);
-        state->producedWord = flags_.acquire();
-        cudaOps_.writeFromStream(op, state->producedWord);
+        state.done = flags_.acquire(kDoneSpan);
+        state.producedWord = flags_.acquire();
+        cudaOps_.writeFromStream(op, state.producedWord);
       }
       if (lanes_.enabled() && !options.peerKey.empty() && !op.isCollective()) {
-        state->eager =
-            lanes_.push(op, laneOf(op, options.peerKey), *state->produced, *state->copied);
-        if (state->eager) {
+        state.eager =
+            lanes_.push(op, laneOf(op, options.peerKey), *state.produced, *state.copied);
+        if (state.eager) {
           // Its wait() makes the stream wait for `copied` at once; a held one's once the
           // progress thread has queued its copy.
-          if (!state->eager->after) flags_.set(state->queued);
+          if (!state.eager->after) flags_.set(state.queued);
           eagerSends_.fetch_add(1, std::memory_order_relaxed);
         }
       }
     } else {
-      state->done = flags_.acquire(kDoneSpan);
-      state->ready = flags_.acquire();
-      cudaOps_.writeFromStream(op, state->ready);
+      state.done = flags_.acquire(kDoneSpan);
+      state.ready = flags_.acquire();
+      cudaOps_.writeFromStream(op, state.ready);
       if (byLane) {
-        state->produced = cuda::takeEvent(op.request.buffer.device);
-        state->produced->record(static_cast<CUstream>(op.request.stream));
+        state.produced = cuda::takeEvent(op.request.buffer.device);
+        state.produced->record(static_cast<CUstream>(op.request.stream));
       }
       // Only a recv that fits a slot can learn its message is eager; others cost nothing here.
       const uint64_t bytes = op.request.buffer.bytes;
       if (options.placeKnown && bytes != 0 && bytes <= lanes_.slotBytes() &&
           !op.isCollective()) {
-        state->eagerRecv = std::make_shared<EagerRecv>();
-        state->eagerRecv->lane = laneOf(op, options.peerKey);
-        state->eagerRecv->seq = op.seq;
-        state->eagerRecv->buffer = op.request.buffer;
-        lanes_.posted(state->eagerRecv);
+        state.eagerRecv = std::make_shared<EagerRecv>();
+        state.eagerRecv->lane = laneOf(op, options.peerKey);
+        state.eagerRecv->seq = op.seq;
+        state.eagerRecv->buffer = op.request.buffer;
+        lanes_.posted(state.eagerRecv);
       }
     }
     if (byLane) {
-      const PieceWords words{op.isSend() ? state->producedWord : state->ready, state->done,
-                              state->produced.get()};
-      state->collective = collectiveLanes_.post(op, options, words);
+      const PieceWords words{op.isSend() ? state.producedWord : state.ready, state.done,
+                              state.produced.get()};
+      state.collective = collectiveLanes_.post(op, options, words);
       // First: the partner's post queues the copy; second: this post did.
-      if (state->collective) flags_.set(state->queued);
+      if (state.collective) flags_.set(state.queued);
     }
   } catch (...) {
     // A value of 0 is never handed out: those words were not acquired.
     for (const cuda::Flag* flag :
-         {&state->queued, &state->done, &state->ready, &state->producedWord}) {
+         {&state.queued, &state.done, &state.ready, &state.producedWord}) {
       if (flag->value != 0) flags_.release(*flag);
     }
     cudaOps_.retire();
     throw;
   }
-  // An op of a collective lane has no `copied` event: its stream waits for its `done` word.
-  const CudaFence fence{.channel = ChannelKind::kCopyEngine,
-                        .queued = state->queued,
-                        .done = state->done,
-                        .copied = state->collective ? nullptr : state->copied,
-                        .eagerRecv = state->eagerRecv};
-  op.channelState = std::move(state);
-  return fence;
+  return std::make_shared<CopyEngineChannelOp>(*this, op, std::move(state));
 }
 
 LaneKey CopyEngineChannel::laneOf(const Op& op, const std::string& peerKey) {
   return LaneKey{peerKey, op.groupId, op.request.tag};
 }
 
-bool CopyEngineChannel::fenceQueued(const CudaFence& fence) {
+bool CopyEngineChannel::fenceQueued(const CopyEngineFence& fence) {
   if (flags_.isSet(fence.queued)) return true;
   // A recv whose message the lane shows to be eager queues its own copy out (waitOnStream).
   return fence.eagerRecv && lanes_.claimable(*fence.eagerRecv);
 }
 
-void CopyEngineChannel::waitOnStream(void* stream, int device, const CudaFence& fence) {
+void CopyEngineChannel::waitOnStream(void* stream, int device, const CopyEngineFence& fence) {
   if (fence.eagerRecv) {
     if (lanes_.queueCopiesOut(*fence.eagerRecv, static_cast<CUstream>(stream))) return;
     // The progress thread took it meanwhile, at the match or the op's end, and sets `queued`

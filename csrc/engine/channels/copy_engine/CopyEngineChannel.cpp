@@ -18,7 +18,9 @@ CopyEngineChannel::CopyEngineChannel(CudaOps& cudaOps, const ProgressThread& thr
                                      uint64_t stagingBytes, uint64_t eagerBytes,
                                      uint64_t ringMemoryBytes, bool collectiveLanes, Done onDone,
                                      Notify notify, Release release)
-    : cudaOps_(cudaOps),
+    : Channel({Capability::kNotices, Capability::kProgress, Capability::kSweep,
+               Capability::kSameHostOnly}),
+      cudaOps_(cudaOps),
       thread_(thread),
       flags_(cudaOps.flags()),
       ipc_(ipcCacheSize),
@@ -34,8 +36,6 @@ CopyEngineChannel::CopyEngineChannel(CudaOps& cudaOps, const ProgressThread& thr
                 return flagsOf(key, address, ownerPidfd);
               }),
       lanesForCollectives_(collectiveLanes) {}
-
-bool CopyEngineChannel::reaches(const Peer& peer) const { return peer.sameHost; }
 
 cuda::RemoteFlagSegment& CopyEngineChannel::flagsOf(const Peer& peer) {
   return flagsOf(peer.address.processKey, peer.address, peer.watch ? peer.watch->fd() : -1);
@@ -207,7 +207,7 @@ void CopyEngineChannel::enqueueCopy(const Transfer& transfer, CUstream stream) {
   }
 }
 
-bool CopyEngineChannel::progress() {
+Progress CopyEngineChannel::progress() {
   thread_.check("CopyEngineChannel::progress");
   bool moved = advanceHeld();
   moved = emptyHeldSlots() || moved;
@@ -219,7 +219,7 @@ bool CopyEngineChannel::progress() {
       ++it;
     }
   }
-  return moved;
+  return Progress{moved};
 }
 
 bool CopyEngineChannel::finishMove(Transfer& transfer) {
@@ -435,7 +435,23 @@ void CopyEngineChannel::sweep() {
   for (auto& [key, ids] : collectiveLanes_.sweep()) release_(key, std::move(ids));
 }
 
-void CopyEngineChannel::addStats(std::map<std::string, int64_t>& stats) const {
+void CopyEngineChannel::onNotice(const Notice& notice) {
+  if (const auto* n = std::get_if<PeerNotice>(&notice)) {
+    onNotice(n->source, n->data);
+  } else if (const auto* n = std::get_if<SendAnnounced>(&notice)) {
+    announced(n->source, n->rts);
+  } else if (const auto* n = std::get_if<SendUnarmed>(&notice)) {
+    discard(n->source, n->rts, n->recv);
+  } else if (const auto* n = std::get_if<MemoryFreed>(&notice)) {
+    onMemoryReleased(n->owner, n->ids);
+  }
+}
+
+void CopyEngineChannel::report(ChannelReport& report) const {
+  if (ringMemory_.taken() != 0) {
+    report.memory.push_back(concat("rings for peers' sends: ", ringMemory_.describe()));
+  }
+  std::map<std::string, int64_t>& stats = report.stats;
   stats["ipc_mappings"] = static_cast<int64_t>(ipc_.size());
   stats["ipc_exports"] = static_cast<int64_t>(exporter_.size());
   stats["staging_rings"] = static_cast<int64_t>(rings_.size());
@@ -449,11 +465,6 @@ void CopyEngineChannel::addStats(std::map<std::string, int64_t>& stats) const {
   stats["eager_sends_by_rendezvous"] = lanes_.rendezvousSends();
   stats["ring_bytes"] = static_cast<int64_t>(ringMemory_.taken());
   collectiveLanes_.addStats(stats);
-}
-
-std::string CopyEngineChannel::describeMemory() const {
-  if (ringMemory_.taken() == 0) return {};
-  return concat("rings for peers' sends: ", ringMemory_.describe());
 }
 
 CUstream CopyEngineChannel::dmaStream(int localDevice, int peerDevice) {

@@ -17,6 +17,7 @@
 #include "engine/CudaOps.h"
 #include "engine/ProgressThread.h"
 #include "engine/channels/copy_engine/ChannelData.h"
+#include "engine/channels/copy_engine/CopyEngineChannelOp.h"
 #include "engine/channels/copy_engine/CopyEngineOp.h"
 #include "engine/channels/copy_engine/CollectiveLanes.h"
 #include "engine/channels/copy_engine/EagerLanes.h"
@@ -74,44 +75,53 @@ class CopyEngineChannel final : public Channel {
                     Release release);
 
   // Caller's thread (CopyEngineCaller.cpp).
-  CudaFence prepare(Op& op, const PostOptions& options) override;
-  bool fenceQueued(const CudaFence& fence) override;
-  void waitOnStream(void* stream, int device, const CudaFence& fence) override;
+  std::shared_ptr<ChannelOp> prepare(Op& op, const PostOptions& options) override;
 
   // Progress thread.
-  bool reaches(const Peer& peer) const override;
-  bool callsCudaOnProgressThread(const Op& op) const override { return true; }
-  std::string announce(const Op& send) override;
-  void prepareSend(const std::shared_ptr<Op>& send, Peer& destination) override;
-  void announced(Peer& source, const ReadyToSend& rts) override;
-  std::string armRecv(const std::shared_ptr<Op>& recv, Peer& source,
-                      const std::string& announced) override;
-  void discard(Peer& source, const ReadyToSend& rts, Op* recv) override;
-  bool outlivesWait(const Op& op) const override;
-  void startSend(const std::shared_ptr<Op>& send, Peer& destination,
-                 const std::string& channelData) override;
-  void cancel(Op& op) override;
-  void partnerGaveUp(Op& op) override;
-  void ended(Op& op, const Status& status) override;
-  void release(Op& op) override;
-  bool progress() override;
+  Progress progress() override;
   bool busy() const override { return !moving_.empty() || !held_.empty(); }
   // Sends each peer the ids of memory exported to it that this process has since freed or
   // unmapped; the peer is to close its mappings (onMemoryReleased()).
   void sweep() override;
   void peerFailed(Peer& peer) override;
+  // Nothing to wait for: a peer's copy engines read and write its memory themselves.
+  void flush(Clock::time_point deadline) override {}
+  // It has no thread of its own.
+  void stop() override {}
+  void onNotice(const Notice& notice) override;
+  void report(ChannelReport& report) const override;
+
+ private:
+  friend class CopyEngineChannelOp;
+
+  // The op's part, for its CopyEngineChannelOp.
+  bool fenceQueued(const CopyEngineFence& fence);
+  void waitOnStream(void* stream, int device, const CopyEngineFence& fence);
+  std::string announce(const Op& send);
+  void prepareSend(const std::shared_ptr<Op>& send, Peer& destination);
+  std::string armRecv(const std::shared_ptr<Op>& recv, Peer& source,
+                      const std::string& announced);
+  bool outlivesWait(const Op& op) const;
+  void startSend(const std::shared_ptr<Op>& send, Peer& destination,
+                 const std::string& channelData);
+  void cancel(Op& op);
+  void partnerGaveUp(Op& op);
+  void ended(Op& op, const Status& status);
+  void release(Op& op);
+  // Which flags an op still waits for, as "name index:word/wanted".
+  std::string describeWait(const Op& op) const;
+
+  // Notices (onNotice()). Receiver: an eager send's announcement, before it is matched, and one
+  // that no recv will arm.
+  void announced(Peer& source, const ReadyToSend& rts);
+  void discard(Peer& source, const ReadyToSend& rts, Op* recv);
   // Receiver: a sender's notice that it copied a send into a staging slot.
-  void onNotice(Peer& source, const std::string& data) override;
-  void onMemoryReleased(const std::string& owner, const std::vector<uint64_t>& ids) override {
+  void onNotice(Peer& source, const std::string& data);
+  void onMemoryReleased(const std::string& owner, const std::vector<uint64_t>& ids) {
     ipc_.forget(owner, ids);
     collectiveLanes_.forget(owner, ids);
   }
-  // Which flags an op still waits for, as "name index:word/wanted".
-  std::string describeWait(const Op& op) const override;
-  std::string describeMemory() const override;
-  void addStats(std::map<std::string, int64_t>& stats) const override;
 
- private:
   struct Clearance {
     ClearanceHeader header;
     cuda::IpcExport destination;

@@ -178,7 +178,7 @@ bool CopyEngineChannel::copyOutOnceFull(Transfer& recv) {
 
 void CopyEngineChannel::discard(Peer& source, const ReadyToSend& rts, Op* recv) {
   thread_.check("CopyEngineChannel::discard");
-  if (recv && recv->channelState && recv->channel == ChannelKind::kCopyEngine) {
+  if (recv && recv->channelOp && recv->channel == ChannelKind::kCopyEngine) {
     const auto& eagerRecv = copyEngineOp(*recv).eagerRecv;
     // Its wait() queued, or ended() releases, the copy out that empties the slot.
     if (eagerRecv && !eagerRecv->claimBy(EagerRecv::kByProgress)) return;

@@ -22,7 +22,7 @@ namespace smfree::engine {
 // signalled by the sender's process, uses words of its flag segment, and the copy writes one.
 // A collective's piece uses words on both sides: either side's post may queue its copy
 // (CollectiveLanes.h).
-struct CopyEngineOp final : OpChannelState {
+struct CopyEngineOp {
   cuda::Flag queued;  // the copy is submitted, or the op failed (set by a CPU)
 
   // Recv: written by the caller's stream when it reaches the op (the buffer is free).
@@ -48,9 +48,5 @@ struct CopyEngineOp final : OpChannelState {
   // A collective's piece that went by a collective lane (CollectiveLanes.h), first or second.
   std::unique_ptr<CollectivePiece> collective;
 };
-
-inline CopyEngineOp& copyEngineOp(const Op& op) {
-  return static_cast<CopyEngineOp&>(*op.channelState);
-}
 
 }  // namespace smfree::engine

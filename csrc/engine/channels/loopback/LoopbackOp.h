@@ -14,11 +14,12 @@ namespace smfree::engine {
 
 struct LoopbackPair;
 
-// One op to the rank itself, from its post to its end (LoopbackChannel). The first fields are
-// set at the post and only read after it; `copied` is set before `queued`; the rest is under
-// the channel's mutex.
+// One op to the rank itself, from its post to its end (LoopbackChannelOp holds it). The first
+// fields are set at the post and only read after it; `copied` is set before `queued`; the rest
+// is under the pairing's mutex.
 struct LoopbackOp {
-  // Its fields set at the post are read on any thread; the rest are the progress thread's.
+  // Until it has ended and its pair's exchange is done: the op holds this through its
+  // ChannelOp, so keeping it longer would keep the op forever.
   std::shared_ptr<Op> op;
   std::shared_ptr<void> keepalive;  // the caller's memory, held until no copy touches it
   // A CUDA op: the CUDA graph capture its stream took part in at the call, if any. Two ops
@@ -33,7 +34,6 @@ struct LoopbackOp {
   std::atomic<bool> queued{false};
 
   std::shared_ptr<LoopbackPair> pair;  // set once its partner is posted
-  bool started = false;                // the progress thread has started it
   bool reported = false;               // it has ended
 };
 
@@ -47,6 +47,7 @@ struct LoopbackPair {
   // An uncaptured CUDA copy: the word its stream sets after it, which the progress thread reads.
   std::optional<cuda::Flag> done;
   std::optional<Status> outcome;  // once known
+  bool exchanged = false;         // the later post is done with both ops
 };
 
 }  // namespace smfree::engine

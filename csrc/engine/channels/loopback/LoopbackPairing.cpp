@@ -1,5 +1,6 @@
 #include "engine/channels/loopback/LoopbackPairing.h"
 
+#include <algorithm>
 #include <cstring>
 #include <thread>
 
@@ -78,10 +79,15 @@ void LoopbackPairing::exchange(LoopbackOp& send, LoopbackOp& recv, const Loopbac
     std::lock_guard<std::mutex> lock(mutex_);
     if (outcome) {
       pair->outcome = std::move(outcome);
+      settled_.push_back(pair);
     } else {
       inFlight_.push_back(pair);
-      inFlightCount_.store(inFlight_.size(), std::memory_order_relaxed);
     }
+    pendingCount_.store(inFlight_.size() + settled_.size(), std::memory_order_relaxed);
+    pair->exchanged = true;
+    // The earlier op may have ended meanwhile (timed out, its group closed).
+    forgetOnceDone(send);
+    forgetOnceDone(recv);
   }
   send.queued.store(true, std::memory_order_release);
   recv.queued.store(true, std::memory_order_release);
@@ -146,16 +152,6 @@ std::string LoopbackPairing::captureMismatch(const LoopbackOp& send, const Loopb
                 ": ops to this rank itself meet only within one capture, or outside any");
 }
 
-std::vector<LoopbackPairing::Report> LoopbackPairing::start(const Op& op) {
-  std::vector<Report> reports;
-  std::lock_guard<std::mutex> lock(mutex_);
-  auto it = ops_.find(op.id);
-  if (it == ops_.end()) return reports;  // ended before it started (its group closed)
-  it->second->started = true;
-  if (it->second->pair) collectPair(*it->second->pair, reports);
-  return reports;
-}
-
 void LoopbackPairing::ended(const Op& op) {
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = ops_.find(op.id);
@@ -166,6 +162,11 @@ void LoopbackPairing::ended(const Op& op) {
   // Unpaired (timed out, group closed): it leaves its line, so later ops pair among themselves.
   if (!half->pair) withdraw(half);
   half->queued.store(true, std::memory_order_release);
+  forgetOnceDone(*half);
+}
+
+void LoopbackPairing::forgetOnceDone(LoopbackOp& half) {
+  if (half.reported && (!half.pair || half.pair->exchanged)) half.op.reset();
 }
 
 void LoopbackPairing::withdraw(const std::shared_ptr<LoopbackOp>& half) {
@@ -184,22 +185,26 @@ void LoopbackPairing::withdraw(const std::shared_ptr<LoopbackOp>& half) {
 
 std::vector<LoopbackPairing::Report> LoopbackPairing::progress() {
   std::vector<Report> reports;
-  if (inFlightCount_.load(std::memory_order_relaxed) == 0) return reports;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    for (auto it = inFlight_.begin(); it != inFlight_.end();) {
-      LoopbackPair& pair = **it;
-      if (!cudaOps_.flags().isSet(*pair.done)) {
-        ++it;
-        continue;
-      }
-      cudaOps_.releaseOnceWritten(*pair.done);
-      pair.outcome = Status::success();
-      collectPair(pair, reports);
-      it = inFlight_.erase(it);
+  if (pendingCount_.load(std::memory_order_relaxed) == 0) return reports;
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (auto it = inFlight_.begin(); it != inFlight_.end();) {
+    LoopbackPair& pair = **it;
+    if (!cudaOps_.flags().isSet(*pair.done)) {
+      ++it;
+      continue;
     }
-    inFlightCount_.store(inFlight_.size(), std::memory_order_relaxed);
+    cudaOps_.releaseOnceWritten(*pair.done);
+    pair.outcome = Status::success();
+    settled_.push_back(*it);
+    it = inFlight_.erase(it);
   }
+  // An op posted but not started yet is told on a later pass (the loop naps meanwhile).
+  settled_.erase(std::remove_if(settled_.begin(), settled_.end(),
+                                [&](const std::shared_ptr<LoopbackPair>& pair) {
+                                  return collectPair(*pair, reports);
+                                }),
+                 settled_.end());
+  pendingCount_.store(inFlight_.size() + settled_.size(), std::memory_order_relaxed);
   return reports;
 }
 
@@ -212,16 +217,20 @@ void LoopbackPairing::flush(Clock::time_point deadline) {
   }
 }
 
-void LoopbackPairing::collectPair(LoopbackPair& pair, std::vector<Report>& reports) {
+bool LoopbackPairing::collectPair(LoopbackPair& pair, std::vector<Report>& reports) {
+  bool told = true;
   // An op gone has ended: nothing to tell it.
-  if (auto send = pair.send.lock()) collect(*send, reports);
-  if (auto recv = pair.recv.lock()) collect(*recv, reports);
+  if (auto send = pair.send.lock()) told = collect(*send, reports) && told;
+  if (auto recv = pair.recv.lock()) told = collect(*recv, reports) && told;
+  return told;
 }
 
-void LoopbackPairing::collect(LoopbackOp& half, std::vector<Report>& reports) {
-  if (!half.started || half.reported || !half.pair || !half.pair->outcome) return;
+bool LoopbackPairing::collect(LoopbackOp& half, std::vector<Report>& reports) {
+  if (half.reported) return true;
+  if (half.op->state == OpState::kPosted) return false;  // told once the engine started it
   half.reported = true;
   reports.push_back(Report{half.op, *half.pair->outcome});
+  return true;
 }
 
 }  // namespace smfree::engine

@@ -28,9 +28,9 @@ namespace smfree::engine {
 // SMFREE_LOCAL_COPIES says) on the later op's stream, after the earlier op's stream as it was
 // at that op's post. Inside a CUDA graph capture the copy is a node of the graph. The ops end
 // through the engine like any other: the progress thread starts them, ends them with the
-// pair's outcome once known (an uncaptured CUDA copy sets a flag word after it, read without a
-// CUDA call), and fails the unpaired ones at the group timeout or at the group's close; an op
-// that ends unpaired leaves its line.
+// pair's outcome once it is known and they have started (an uncaptured CUDA copy sets a flag
+// word after it, read without a CUDA call), and fails the unpaired ones at the group timeout
+// or at the group's close; an op that ends unpaired leaves its line.
 // LoopbackChannel drives this class; apart from it, it is tested in-process.
 class LoopbackPairing {
  public:
@@ -49,13 +49,13 @@ class LoopbackPairing {
   // recorded.
   std::shared_ptr<LoopbackOp> post(Op& op);
 
-  // Progress thread. The op has started: the ends now known to tell.
-  std::vector<Report> start(const Op& op);
-  // The engine ended the op (told, or failed): an unpaired op leaves its line.
+  // Progress thread. The engine ended the op (told, or failed): an unpaired op leaves its line.
   void ended(const Op& op);
-  // The ends of the copies the GPU has run since.
+  // The ends to tell: of the started ops (past OpState::kPosted) whose pair's outcome is known,
+  // the copies the GPU has run since included.
   std::vector<Report> progress();
-  bool busy() const { return inFlightCount_.load(std::memory_order_relaxed) > 0; }
+  // While a copy runs on the GPU, or an outcome waits for its op to start.
+  bool busy() const { return pendingCount_.load(std::memory_order_relaxed) > 0; }
   // Waits, up to `deadline`, for the copies the GPU has still to run.
   void flush(Clock::time_point deadline);
 
@@ -75,9 +75,12 @@ class LoopbackPairing {
                              const LoopbackOp& later);
   static std::string mismatch(const Op& send, const Op& recv);
   static std::string captureMismatch(const LoopbackOp& send, const LoopbackOp& recv);
-  // The ends that are known and not yet told, of started ops. Under mutex_.
-  void collect(LoopbackOp& half, std::vector<Report>& reports);
-  void collectPair(LoopbackPair& pair, std::vector<Report>& reports);
+  // The ends that are known and not yet told, of started ops; true once none is left to tell.
+  // Under mutex_.
+  bool collectPair(LoopbackPair& pair, std::vector<Report>& reports);
+  bool collect(LoopbackOp& half, std::vector<Report>& reports);
+  // Under mutex_: the op's shared_ptr, let go once nothing reads it (LoopbackOp::op).
+  static void forgetOnceDone(LoopbackOp& half);
   void withdraw(const std::shared_ptr<LoopbackOp>& half);  // under mutex_
 
   CudaOps& cudaOps_;
@@ -86,7 +89,8 @@ class LoopbackPairing {
   Lines recvs_;
   std::unordered_map<uint64_t, std::shared_ptr<LoopbackOp>> ops_;  // by op id, until they end
   std::vector<std::shared_ptr<LoopbackPair>> inFlight_;  // uncaptured CUDA copies not yet run
-  std::atomic<size_t> inFlightCount_{0};
+  std::vector<std::shared_ptr<LoopbackPair>> settled_;   // outcome known, not all told
+  std::atomic<size_t> pendingCount_{0};                  // of inFlight_ and settled_
 };
 
 }  // namespace smfree::engine

@@ -10,7 +10,8 @@
 
 namespace smfree::engine {
 
-CudaFence UcxChannel::prepare(Op& op, const PostOptions& options) {
+std::shared_ptr<ChannelOp> UcxChannel::prepare(Op& op, const PostOptions& options) {
+  if (op.request.buffer.memory != MemoryKind::kCuda) return hostOp_;
   std::call_once(announcedCuda_, [this] {
     log(LogLevel::kInfo, "CUDA tensors to some ranks move over UCX (SMFREE_TRANSPORT=",
         transport_ == Transport::kUcx ? "ucx" : "auto, ranks on other hosts", ")");
@@ -18,30 +19,38 @@ CudaFence UcxChannel::prepare(Op& op, const PostOptions& options) {
   const bool staged = options.route.stagedThroughHost && op.request.peer != kAnySource &&
                       op.request.buffer.bytes > 0;
   cudaOps_.admit(options.timeout);
-  auto state = std::make_unique<UcxCudaOp>();
+  UcxCudaOp state;
   std::optional<cuda::Flag> queued;
   try {
-    state->streamReady = flags_.acquire();
-    cudaOps_.writeFromStream(op, state->streamReady);
+    state.streamReady = flags_.acquire();
+    cudaOps_.writeFromStream(op, state.streamReady);
     const int device = op.request.buffer.device;
-    state->reached = cuda::takeEvent(device);
-    state->copied = cuda::takeEvent(device);
-    state->reached->record(static_cast<CUstream>(op.request.stream));
+    state.reached = cuda::takeEvent(device);
+    state.copied = cuda::takeEvent(device);
+    state.reached->record(static_cast<CUstream>(op.request.stream));
     queued = flags_.acquire();
-    state->queued = *queued;
-    if (staged) state->staging = stageFromCaller(op, *state);
+    state.queued = *queued;
+    if (staged) state.staging = stageFromCaller(op, state);
   } catch (...) {
     // A value of 0 is never handed out: that word was not acquired.
-    if (state->streamReady.value != 0) flags_.release(state->streamReady);
+    if (state.streamReady.value != 0) flags_.release(state.streamReady);
     if (queued) flags_.release(*queued);
     cudaOps_.retire();
     throw;
   }
-  CudaFence fence{.channel = ChannelKind::kUcx, .queued = state->queued, .copied = state->copied};
-  if (!op.isSend()) fence.stagedRecv = state->staging;
-  op.channelState = std::move(state);
-  return fence;
+  // UCX moves an unstaged op's CUDA memory itself, from the progress thread.
+  const OpTraits traits{.callsCudaOnProgressThread = !staged,
+                        .queuedByWait = staged && !op.isSend()};
+  return std::make_shared<UcxChannelOp>(*this, std::move(state), traits);
 }
+
+UcxChannelOp::UcxChannelOp(UcxChannel& channel, UcxCudaOp cuda, OpTraits traits)
+    : ChannelOp(traits),
+      channel_(channel),
+      cuda_(std::move(cuda)),
+      queued_(cuda_->queued),
+      copied_(cuda_->copied),
+      stagedRecv_(traits.queuedByWait ? cuda_->staging : nullptr) {}
 
 std::shared_ptr<CallerStaging> UcxChannel::stageFromCaller(const Op& op,
                                                            const UcxCudaOp& state) {
@@ -71,9 +80,9 @@ std::shared_ptr<CallerStaging> UcxChannel::stageFromCaller(const Op& op,
   return staging;
 }
 
-bool UcxChannel::fenceQueued(const CudaFence& fence) {
-  if (fence.stagedRecv) return queueCopiesInOnceMatched(*fence.stagedRecv);
-  return flags_.isSet(fence.queued);
+bool UcxChannelOp::queued() {
+  if (stagedRecv_) return channel_.queueCopiesInOnceMatched(*stagedRecv_);
+  return channel_.flags_.isSet(queued_);
 }
 
 bool UcxChannel::queueCopiesInOnceMatched(CallerStaging& staging) {
@@ -103,12 +112,12 @@ bool UcxChannel::queueCopiesInOnceMatched(CallerStaging& staging) {
   return true;
 }
 
-void UcxChannel::waitOnStream(void* stream, int device, const CudaFence& fence) {
+void UcxChannelOp::waitOnStream(void* stream, int device) {
   // Never recorded for an unstaged op, whose caller's CPU waited for its end: no wait then.
-  fence.copied->waitOn(static_cast<CUstream>(stream));
+  copied_->waitOn(static_cast<CUstream>(stream));
 }
 
-void UcxChannel::ended(Op& op, const Status& status) {
+void UcxChannel::ended(Op& op) {
   // A UCX op's waiter, if its copies never set `queued`, waits for the end on the CPU.
   if (const UcxCudaOp* state = ucxCudaOp(op)) flags_.set(state->queued);
 }

@@ -1,5 +1,6 @@
 #pragma once
 
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -12,7 +13,7 @@
 #include "engine/ProgressThread.h"
 #include "engine/Spin.h"
 #include "engine/channels/ucx/HostStaging.h"
-#include "engine/channels/ucx/UcxCudaOp.h"
+#include "engine/channels/ucx/UcxChannelOp.h"
 #include "engine/channels/ucx/UcxReceiveLane.h"
 #include "engine/cuda/FlagSegment.h"
 #include "engine/transports/ucx/UcxContext.h"
@@ -32,7 +33,7 @@ namespace smfree::engine {
 // caller's stream) before UCX may touch the buffer. Completion reaches the caller through its
 // Work on the CPU; no stream waits on UCX, whose own CUDA copies could otherwise queue behind
 // that wait in a shared hardware queue (see CudaFence.h). The exception is a staged op, whose
-// caller's stream waits for its copies, queued before that wait (UcxCudaState).
+// caller's stream waits for its copies, queued before that wait (UcxCudaOp).
 //
 // Toward a peer that UCX reaches over TCP alone, CUDA buffers go through pinned host memory
 // (HostStaging), in pieces so that copies and the network overlap. The caller's thread queues
@@ -48,53 +49,45 @@ namespace smfree::engine {
 // made a CUDA call, staged sends are announced as promised, and a staged recv matched with a
 // promised send lets its caller queue its copies in at once, to wait on the GPU for pieces
 // still on the network. The first op that needs a CUDA call on the progress thread ends that
-// for good; it waits (Channel::committed) until no commitment is in flight: no promised send
-// still moving (a receiver's stream may wait for it), no recv whose copies in wait on one.
+// for good; it is held back (admit(), the admission hook) until no commitment is in flight: no
+// promised send still moving (a receiver's stream may wait for it), no recv whose copies in
+// wait on one; and so are the ops started after it, of every channel (ops start in posting
+// order: they match in it).
 class UcxChannel final : public Channel {
  public:
+  // Starts an op that admit() held back, once it may start.
+  using Start = std::function<void(const std::shared_ptr<Op>&)>;
+
   // `sendWorker` is the engine's (its thread calls every progress-thread method here); the
   // channel's receive lane, where recvs are posted, gets a worker of its own on `context`.
   UcxChannel(const UcxContext& context, UcxWorker& sendWorker, CudaOps& cudaOps,
              const ProgressThread& thread, const Config& config, const Spin& spin,
-             Done onDone);
+             Done onDone, Start start);
   ~UcxChannel() override;
 
   // Where peers send data: the receive lane's worker address.
   std::vector<uint8_t> receiveAddress();
 
   // Caller's thread (UcxCaller.cpp).
-  CudaFence prepare(Op& op, const PostOptions& options) override;
-  bool fenceQueued(const CudaFence& fence) override;
-  void waitOnStream(void* stream, int device, const CudaFence& fence) override;
+  std::shared_ptr<ChannelOp> prepare(Op& op, const PostOptions& options) override;
 
   // Progress thread.
-  void connect(Peer& peer, const PeerError& onError) override;
-  PeerRoute route(Peer& peer) override;
+  PeerRoute connect(Peer& peer, const PeerError& onError) override;
   void disconnect(Peer& peer) override;
-  // Flushes the endpoints, then ends the recvs still inside UCX (settleRecvs).
+  // Nothing to do: UCX ends a failed peer's requests itself, and its endpoint goes at
+  // disconnect().
+  void peerFailed(Peer& peer) override {}
+  // Flushes the endpoints, then ends the recvs still inside UCX (settleRecvs), and fails the
+  // ops admit() still holds.
   void flush(Clock::time_point deadline) override;
-  bool callsCudaOnProgressThread(const Op& op) const override;
-  void progressThreadCallsCuda(const Op& op) override;
-  bool committed() const override { return commitments_ > 0; }
-  bool promiseSend(Op& send) override;
-  void prepareSend(const std::shared_ptr<Op>& send, Peer& destination) override;
-  std::string armRecv(const std::shared_ptr<Op>& recv, Peer& source,
-                      const std::string& announced) override;
-  void cleared(const std::shared_ptr<Op>& recv, bool sendPromised) override;
-  void startSend(const std::shared_ptr<Op>& send, Peer& destination,
-                 const std::string& channelData) override;
-  void cancel(Op& op) override;
-  void ended(Op& op, const Status& status) override;
-  void release(Op& op) override;
-  bool outlivesWait(const Op& op) const override;
-  bool progress() override;
+  bool admit(const std::shared_ptr<Op>& op) override;
+  Progress progress() override;
   bool busy() const override;
-  // The device of the latest CUDA buffer handed to UCX; -1 before the first.
-  int contextDevice() const override { return cudaDevice_; }
   void stop() override { lane_->stop(); }
-  void addStats(std::map<std::string, int64_t>& stats) const override;
+  void report(ChannelReport& report) const override;
 
  private:
+  friend class UcxChannelOp;
   struct Movement;
   struct Transfer;
   // A UCX request's end, as its callback saw it: applied to its movement in progress().
@@ -107,6 +100,25 @@ class UcxChannel final : public Channel {
   static void onSent(void* request, ucs_status_t status, void* userData);
   static void onReceived(void* request, ucs_status_t status, const ucp_tag_recv_info_t* info,
                          void* userData);
+  // The op's part, for its UcxChannelOp (UcxTransfers.cpp, UcxCommitments.cpp, UcxCaller.cpp).
+  ChannelAnnouncement announce(const std::shared_ptr<Op>& send, Peer& destination);
+  std::string armRecv(const std::shared_ptr<Op>& recv, Peer& source);
+  void cleared(const std::shared_ptr<Op>& recv, bool sendPromised);
+  void startSend(const std::shared_ptr<Op>& send, Peer& destination,
+                 const std::string& channelData);
+  void cancel(Op& op);
+  void ended(Op& op);
+  void release(Op& op);
+  bool outlivesWait(const Op& op) const;
+
+  // Sender, as the send starts: whether it is promised (ReadyToSend::promised).
+  bool promiseSend(Op& send);
+  // Sender, as the send starts: tracks a caller-staged send, whose copies out are queued.
+  void prepareSend(const std::shared_ptr<Op>& send, Peer& destination);
+  // The progress thread makes CUDA calls from now on, the first time for `op`.
+  void progressThreadCallsCuda(const Op& op);
+  // Starts the ops admit() held, once no commitment is in flight.
+  void startHeldOps();
   // Caller's thread: stages a CUDA op through host memory; a send's copies out are queued.
   std::shared_ptr<CallerStaging> stageFromCaller(const Op& op, const UcxCudaOp& state);
   // Caller's thread, a caller-staged recv: queues its copies in, which wait on the GPU for
@@ -161,7 +173,10 @@ class UcxChannel final : public Channel {
   const Transport transport_;
   const std::chrono::milliseconds peerCheck_;  // UCX's keepalive interval
   Done onDone_;
+  Start start_;
   HostStaging staging_;
+  // CPU tensors' ops keep nothing here from their post: they share this part.
+  std::shared_ptr<UcxChannelOp> hostOp_;
   std::once_flag announcedCuda_;
   // By peer: to its receive lane. Dropped when the channel goes, or a failed same-host peer is
   // disconnected.
@@ -174,6 +189,9 @@ class UcxChannel final : public Channel {
   bool promising_ = true;
   std::string stoppedPromising_;  // the op that ended it
   size_t commitments_ = 0;
+  // Ops that make CUDA calls on this thread, held while commitments are in flight, and the
+  // ops started after them.
+  std::deque<std::shared_ptr<Op>> heldOps_;
   // Filled by callbacks on either thread.
   mutable std::mutex completionsMutex_;
   std::vector<Completion> completions_;

@@ -1,20 +1,44 @@
-// UCX's promises (see UcxChannel.h): which staged ops are promised, and the commitments that
-// hold back an op whose CUDA calls on the progress thread could stall it.
+// UCX's promises (see UcxChannel.h): which staged ops are promised, and the admission hook
+// that holds back an op whose CUDA calls on the progress thread could stall it while
+// commitments are in flight.
 #include "engine/Log.h"
 #include "engine/channels/ucx/UcxChannel.h"
 
 namespace smfree::engine {
 
-bool UcxChannel::callsCudaOnProgressThread(const Op& op) const {
-  // All CUDA ops but caller-staged ones: UCX moves their CUDA memory itself.
-  const UcxCudaOp* state = ucxCudaOp(op);
-  return state && !state->staging;
+bool UcxChannel::admit(const std::shared_ptr<Op>& op) {
+  thread_.check("UcxChannel::admit");
+  if (!heldOps_.empty()) {
+    heldOps_.push_back(op);  // ops start in posting order: they match in it
+    return false;
+  }
+  if (!op->channelOp->traits().callsCudaOnProgressThread) return true;
+  progressThreadCallsCuda(*op);
+  // Its CUDA calls could stall this thread while a peer's stream waits for bytes it moves.
+  if (commitments_ == 0) return true;
+  heldOps_.push_back(op);
+  return false;
+}
+
+void UcxChannel::startHeldOps() {
+  // Promises have ended for good: commitments only go down from here, and the held ops all
+  // start at once.
+  if (heldOps_.empty() || commitments_ > 0) return;
+  std::deque<std::shared_ptr<Op>> held;
+  held.swap(heldOps_);
+  for (const std::shared_ptr<Op>& op : held) start_(op);
 }
 
 void UcxChannel::progressThreadCallsCuda(const Op& op) {
   if (!promising_) return;
   promising_ = false;
   stoppedPromising_ = op.describe();
+}
+
+ChannelAnnouncement UcxChannel::announce(const std::shared_ptr<Op>& send, Peer& destination) {
+  ChannelAnnouncement announcement{.promised = promiseSend(*send)};
+  prepareSend(send, destination);
+  return announcement;
 }
 
 bool UcxChannel::promiseSend(Op& send) {

@@ -13,7 +13,7 @@ namespace smfree::engine {
 
 // A CUDA op over UCX staged through pinned host memory whose copies its caller's thread
 // submits: a send's copies out at its post, before its announcement, a recv's copies in at its
-// wait() once it has matched (UcxChannel::queueCopiesInOnceMatched). The progress thread makes
+// wait() once it has matched (UcxChannelOp::queued). The progress thread makes
 // no CUDA call for it.
 struct CallerStaging {
   std::shared_ptr<cuda::PinnedMemory> host;
@@ -51,7 +51,7 @@ struct CallerStaging {
 // CPU only for them to be queued (`queued`): a send's once its receiver has cleared it (its
 // copy out is queued at the post), a recv's once its wait() has queued its copies in. An
 // unstaged op sets `queued` when it ends, and never records `copied`.
-struct UcxCudaOp final : OpChannelState {
+struct UcxCudaOp {
   // Written by the caller's stream once the work queued before the op is done; UCX touches
   // the buffer only after that.
   cuda::Flag streamReady;
@@ -65,10 +65,5 @@ struct UcxCudaOp final : OpChannelState {
   // GPU (UcxChannel's commitments).
   bool promised = false;
 };
-
-// The op's UCX CUDA state; null for a CPU tensor.
-inline UcxCudaOp* ucxCudaOp(const Op& op) {
-  return static_cast<UcxCudaOp*>(op.channelState.get());
-}
 
 }  // namespace smfree::engine

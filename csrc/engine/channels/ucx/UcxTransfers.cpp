@@ -1,0 +1,175 @@
+// An op's bytes through UCX from its arming (recv) or clear-to-send (send): the movement that
+// tracks them, and the pieces posted to UCX.
+#include <cstring>
+#include <optional>
+
+
+#include "engine/Error.h"
+#include "engine/PeerValue.h"
+#include "engine/channels/ucx/UcxMovement.h"
+#include "engine/cuda/CudaDriver.h"
+#include "engine/transports/ucx/UcxStatus.h"
+
+namespace smfree::engine {
+namespace {
+
+ucs_memory_type_t memoryType(const Buffer& buffer) {
+  return buffer.memory == MemoryKind::kCuda ? UCS_MEMORY_TYPE_CUDA : UCS_MEMORY_TYPE_HOST;
+}
+
+}  // namespace
+
+UcxChannel::Movement& UcxChannel::track(const std::shared_ptr<Op>& op, Peer& peer) {
+  auto movement = std::make_unique<Movement>();
+  movement->op = op;
+  movement->peer = &peer;
+  ++op->outstanding;  // the buffer is the channel's until the movement ends
+  Movement& tracked = *movement;
+  movements_[op->id] = std::move(movement);
+  return tracked;
+}
+
+void UcxChannel::prepareSend(const std::shared_ptr<Op>& send, Peer& destination) {
+  const UcxCudaOp* state = ucxCudaOp(*send);
+  if (!state || !state->staging) return;
+  // Staged by its caller (prepare()), whose copies out are queued already.
+  Movement& movement = track(send, destination);
+  movement.staged = true;
+  movement.started = true;
+  movement.callerStaging = state->staging;
+  movement.host = movement.callerStaging->host;
+  ++hostStagedSends_;
+}
+
+std::string UcxChannel::armRecv(const std::shared_ptr<Op>& recv, Peer& source) {
+  thread_.check("UcxChannel::armRecv");
+  const UcxCudaOp* state = ucxCudaOp(*recv);
+  std::shared_ptr<CallerStaging> callerStaging = state ? state->staging : nullptr;
+  const bool staged = callerStaging || stagesThroughHost(*recv, source);
+  const uint64_t bytes = recv->request.buffer.bytes;
+  const uint64_t pieceBytes = callerStaging ? callerStaging->pieceBytes
+                              : staged      ? stagingPieceBytes(bytes, pieceBytes_)
+                                            : 0;
+  const ucp_tag_t tag = recv->id << kPieceBits;
+  Movement& movement = track(recv, source);
+  movement.tag = tag;
+  movement.setPieces(pieceBytes);
+  movement.staged = staged;
+  if (callerStaging) {
+    movement.callerStaging = callerStaging;
+    movement.host = callerStaging->host;
+    movement.landedOnLane.assign(movement.pieces.size(), 0);
+    ++hostStagedRecvs_;
+  } else if (staged) {
+    movement.host = staging_.take(recv->request.buffer.device, bytes);
+    ++hostStagedRecvs_;
+  }
+  // A staged recv lands in host memory, free to take the bytes before the stream reaches it.
+  if (staged || streamReached(*recv)) {
+    movement.started = true;
+    for (uint32_t piece = 0; piece < movement.pieces.size() && !movement.failure; ++piece) {
+      postPiece(movement, piece);
+    }
+    if (movement.failure) fail(movement.failure->message);  // it ends in progress()
+  }
+  std::string channelData(sizeof(tag) + sizeof(pieceBytes), '\0');
+  std::memcpy(channelData.data(), &tag, sizeof(tag));
+  std::memcpy(channelData.data() + sizeof(tag), &pieceBytes, sizeof(pieceBytes));
+  return channelData;
+}
+
+void UcxChannel::startSend(const std::shared_ptr<Op>& send, Peer& destination,
+                           const std::string& channelData) {
+  thread_.check("UcxChannel::startSend");
+  // The clear-to-send's data, read and bounded here (PeerValue.h): the receiver's tag and
+  // piece size, which may not cut the send into more than kMostPieces.
+  constexpr const char* kMessage = "UCX clear-to-send's channel data";
+  ucp_tag_t tag = 0;
+  uint64_t pieceBytes = 0;
+  const uint64_t bytes = send->request.buffer.bytes;
+  if (channelData.size() != sizeof(tag) + sizeof(pieceBytes)) {
+    badPeerValue(kMessage, "length", channelData.size(), " B, expected ",
+                 sizeof(tag) + sizeof(pieceBytes), " B");
+  }
+  std::memcpy(&tag, channelData.data(), sizeof(tag));
+  std::memcpy(&pieceBytes, channelData.data() + sizeof(tag), sizeof(pieceBytes));
+  if (pieceBytes != 0 && bytes / pieceBytes + (bytes % pieceBytes != 0) > kMostPieces) {
+    badPeerValue(kMessage, "piece bytes", pieceBytes, " B cut ", send->describe(),
+                 " into more than ", kMostPieces, " pieces");
+  }
+  auto prepared = movements_.find(send->id);  // staged: its copies out queued at its post
+  Movement& movement =
+      prepared != movements_.end() ? *prepared->second : track(send, destination);
+  movement.cleared = true;
+  movement.tag = tag;
+  movement.setPieces(pieceBytes);
+  if (movement.staged) {
+    // Matched: from here its wait() leaves the buffer to the caller's stream, which waits for
+    // the copies out. Not before, so a mismatch still reaches that wait().
+    if (!movement.failure) flags_.set(ucxCudaOp(*send)->queued);
+    countCopiedOut(movement);
+    transmitCopiedPieces(movement);
+  } else {
+    startOnceStreamReached(movement);
+  }
+}
+
+bool UcxChannel::startOnceStreamReached(Movement& movement) {
+  if (!streamReached(*movement.op)) return false;
+  movement.started = true;
+  for (uint32_t piece = 0; piece < movement.pieces.size() && !movement.failure; ++piece) {
+    postPiece(movement, piece);
+  }
+  return true;
+}
+
+void UcxChannel::postPiece(Movement& movement, uint32_t piece) {
+  const Op& op = *movement.op;
+  const Buffer& buffer = op.request.buffer;
+  char* base = static_cast<char*>(movement.host ? movement.host->data() : buffer.data);
+  void* data = base + movement.offsetOf(piece);
+  const uint64_t bytes = movement.bytesOf(piece);
+  const ucp_tag_t tag = movement.tag + piece;
+  UcxEndpoint* endpoint = movement.isSend() ? endpointOf(*movement.peer) : nullptr;
+  if (movement.isSend() && !endpoint) {
+    movement.failure = Status::failure(
+        StatusCode::kPeerFailure, concat(op.describe(), ": its peer's data endpoint is closed"));
+    return;
+  }
+
+  auto transfer = std::make_unique<Transfer>(Transfer{this, &movement, piece});
+  ucp_request_param_t params{};
+  params.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                        UCP_OP_ATTR_FIELD_MEMORY_TYPE | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+  params.user_data = transfer.get();
+  params.memory_type = movement.host ? UCS_MEMORY_TYPE_HOST : memoryType(buffer);
+  // UCX's CUDA transports work in the current context: the buffer's device's primary one.
+  std::optional<cuda::ContextGuard> context;
+  if (!movement.host && buffer.memory == MemoryKind::kCuda) {
+    context.emplace(buffer.device);
+    cudaDevice_ = buffer.device;
+    receiveLane_.useCudaDevice(buffer.device);
+  }
+  movement.pieces[piece] = PieceState::kInUcx;
+  Transfer* owned = transfer.release();  // owned by the request until its callback
+  void* request = nullptr;
+  if (movement.isSend()) {
+    params.cb.send = &UcxChannel::onSent;
+    request = ucp_tag_send_nbx(endpoint->handle(), data, bytes, tag, &params);
+  } else {
+    params.cb.recv = &UcxChannel::onReceived;
+    request = ucp_tag_recv_nbx(receiveLane_.worker().handle(), data, bytes, tag, kFullMask,
+                               &params);
+  }
+  if (UCS_PTR_IS_ERR(request)) {
+    std::unique_ptr<Transfer> back(owned);  // no callback will come
+    movement.pieces[piece] = PieceState::kWaiting;
+    movement.failure = Status::failure(
+        StatusCode::kTransport, concat("UCX could not post ", op.describe(), ": ",
+                                       ucxStatusText(UCS_PTR_STATUS(request))));
+    return;
+  }
+  movement.requests.push_back(request);  // its completion is applied only after this
+}
+
+}  // namespace smfree::engine
