@@ -116,7 +116,8 @@ class Capabilities {
   uint32_t bits_ = 0;
 };
 
-// What reaches a channel from its peers outside an op's own messages (Capability::kNotices).
+// What reaches a channel outside an op's own messages (Capability::kNotices): from its peers,
+// or the engine's closing of a group.
 struct PeerNotice {  // a ChannelNotice's data
   Peer& source;
   const std::string& data;
@@ -134,7 +135,12 @@ struct MemoryFreed {  // MemoryReleased: the owner freed CUDA memory it had expo
   const std::string& owner;
   const std::vector<uint64_t>& ids;
 };
-using Notice = std::variant<PeerNotice, SendAnnounced, SendUnarmed, MemoryFreed>;
+struct GroupClosed {  // its ops that the channel still holds back fail so
+  uint64_t groupId;
+  StatusCode code;
+  const std::string& reason;
+};
+using Notice = std::variant<PeerNotice, SendAnnounced, SendUnarmed, MemoryFreed, GroupClosed>;
 
 // What a pass of Channel::progress() did.
 struct Progress {

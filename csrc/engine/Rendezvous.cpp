@@ -130,6 +130,10 @@ void Rendezvous::closeGroup(uint64_t groupId, StatusCode code, const std::string
         [&](const Announcement& announcement) { discardAnnounced(*group, announcement.rts); });
     matcher->clear();
   }
+  // And the group's ops that an admission hook holds back.
+  channels_.forEach(Capability::kNotices, [&](Channel& channel) {
+    channel.onNotice(GroupClosed{groupId, code, reason});
+  });
 }
 
 size_t Rendezvous::releasedOpsInFlight(std::optional<uint64_t> groupId) {
@@ -177,14 +181,9 @@ std::string Rendezvous::dumpPending(uint64_t groupId) {
 }
 
 std::optional<Status> Rendezvous::refusalAtStart(const Op& op, const GroupState* group) {
-  if (!group || group->config != op.config) {
+  if (!group || group->closed) {
     return Status::failure(StatusCode::kAborted,
                            concat(op.describe(), " failed: the group is closed"));
-  }
-  if (group->closed) {
-    // Also an op that an admission hook held back past the close.
-    return Status::failure(StatusCode::kAborted, concat(op.describe(), " failed: ",
-                                                        group->closeReason));
   }
   // A recv from any source waits for whichever peer; an op to the rank itself has none.
   if (op.request.peer == kAnySource || op.channelOp->traits().withinProcess) {

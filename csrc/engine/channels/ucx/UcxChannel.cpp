@@ -17,7 +17,8 @@ namespace smfree::engine {
 UcxChannel::UcxChannel(const UcxContext& context, UcxWorker& sendWorker, CudaOps& cudaOps,
                        const ProgressThread& thread, const Config& config, const Spin& spin,
                        Done onDone, Start start)
-    : Channel({Capability::kEndpoints, Capability::kProgress, Capability::kAdmission}),
+    : Channel({Capability::kEndpoints, Capability::kNotices, Capability::kProgress,
+               Capability::kAdmission}),
       lane_(std::make_unique<UcxReceiveLane>(context, spin)),
       receiveLane_(*lane_),
       sendWorker_(sendWorker),

@@ -81,6 +81,8 @@ class UcxChannel final : public Channel {
   // ops admit() still holds.
   void flush(Clock::time_point deadline) override;
   bool admit(const std::shared_ptr<Op>& op) override;
+  // Its peers send it none; a closed group's ops that admit() holds fail.
+  void onNotice(const Notice& notice) override;
   Progress progress() override;
   bool busy() const override;
   void stop() override { lane_->stop(); }

@@ -29,6 +29,21 @@ void UcxChannel::startHeldOps() {
   for (const std::shared_ptr<Op>& op : held) start_(op);
 }
 
+void UcxChannel::onNotice(const Notice& notice) {
+  const auto* closed = std::get_if<GroupClosed>(&notice);
+  if (!closed) return;
+  std::deque<std::shared_ptr<Op>> held;
+  for (const std::shared_ptr<Op>& op : heldOps_) {
+    if (op->groupId == closed->groupId) {
+      onDone_(op, Status::failure(closed->code,
+                                  concat(op->describe(), " failed: ", closed->reason)));
+    } else {
+      held.push_back(op);
+    }
+  }
+  heldOps_.swap(held);
+}
+
 void UcxChannel::progressThreadCallsCuda(const Op& op) {
   if (!promising_) return;
   promising_ = false;
