@@ -1,6 +1,6 @@
 // The pairing of ops to the rank itself (the loopback channel's), CPU tensors: per group and
 // tag in posting order, bytes moved at the later post, ends told only to started ops, mismatches,
-// and an op that ends unpaired leaving its line.
+// an op that ends unpaired leaving its line, and ended ops let go of.
 
 #include <cstring>
 #include <map>
@@ -23,6 +23,8 @@ struct Loopback {
   CudaOps cudaOps{16};
   LoopbackPairing pairing{cudaOps};
   std::map<uint64_t, Status> ended;
+  // Each op's LoopbackOp, as its LoopbackChannelOp holds it.
+  std::map<uint64_t, std::shared_ptr<LoopbackOp>> halves;
   std::shared_ptr<const GroupConfig> group =
       std::make_shared<const GroupConfig>(GroupConfig{"pp", 3, 4});
   uint64_t nextId = 1;
@@ -40,7 +42,7 @@ struct Loopback {
     op->request.buffer = Buffer{data.data(), data.size() * sizeof(float)};
     op->request.desc = TensorDesc{data.size() * sizeof(float), "float32", "cpu",
                                   {static_cast<int64_t>(data.size())}};
-    pairing.post(*op);
+    halves[op->id] = pairing.post(*op);
     return op;
   }
   // As the engine starts an op (Rendezvous::startOp) and then drives the channel.
@@ -143,4 +145,28 @@ TEST(loopbackZeroBytes, "loopback: empty tensors pair and succeed") {
   loopback.start(recv);
   loopback.start(send);
   CHECK(loopback.succeeded(send) && loopback.succeeded(recv));
+}
+
+TEST(loopbackLetsGoOfEndedOps, "loopback: busy until started ops are told; ended ops let go") {
+  Loopback loopback;
+  std::vector<float> mine{5};
+  std::vector<float> got(1, 0);
+  auto send = loopback.send(4, mine);
+  auto recv = loopback.recv(4, got);
+  CHECK(loopback.pairing.busy());  // the pair's outcome waits for its ops to start
+  loopback.start(send);
+  CHECK(loopback.succeeded(send) && loopback.ended.count(recv->id) == 0);
+  // The op holds its LoopbackOp (Op::channelOp): the LoopbackOp holding the op back would
+  // keep both forever.
+  CHECK(loopback.halves[send->id]->op == nullptr);
+  CHECK(loopback.halves[recv->id]->op == recv);
+  CHECK(loopback.pairing.busy());
+  loopback.start(recv);
+  CHECK(loopback.succeeded(recv) && !loopback.pairing.busy());
+  CHECK(loopback.halves[recv->id]->op == nullptr);
+  std::vector<float> lost(1);
+  auto unpaired = loopback.recv(5, lost);
+  CHECK(!loopback.pairing.busy());  // nothing to tell until it pairs
+  loopback.pairing.ended(*unpaired);
+  CHECK(loopback.halves[unpaired->id]->op == nullptr);
 }
