@@ -118,7 +118,9 @@ UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "ms": 1000, "s": 1000 *
 
 def code_defaults() -> dict[str, str | int]:
     """Each SMFREE_* setting's default as the C++ code has it."""
-    config = (ROOT / "csrc/engine/Config.cpp").read_text()
+    # SMFREE_LOG_LEVEL is read in Log.cpp, the rest in Config.cpp.
+    config = "".join((ROOT / "csrc/engine" / name).read_text()
+                     for name in ("Config.cpp", "Log.cpp"))
     defaults: dict[str, str | int] = {}
     for name, value in re.findall(r'parse(?:NonNegative|Between)\("(SMFREE_\w+)",\s*([^,)]+)',
                                   config):

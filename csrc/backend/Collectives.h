@@ -15,7 +15,7 @@ namespace smfree {
 // posts, as one batch, a recv for every piece it is owed and a send of every piece it owes, on
 // the group's collective line (engine::kCollectiveTag). The engine moves each piece as it moves
 // any message of that line: by rendezvous, one copy-engine copy straight into the receiver's
-// tensor (docs/design.md, "Collectives"). A rank's own piece is an op to itself (SelfExchange).
+// tensor (docs/design.md, "Collectives"). A rank's own piece is an op to itself (LoopbackChannel).
 enum class Collective : uint8_t { kAllGather, kAllToAll, kBroadcast, kGather, kScatter };
 
 // As SMFREE_COLLECTIVES spells it: "all_gather", "all_to_all", "broadcast", "gather", "scatter".

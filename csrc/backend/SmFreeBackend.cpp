@@ -11,6 +11,7 @@
 #include "backend/StoreAdapter.h"
 #include "backend/TensorChecks.h"
 #include "backend/WithoutGil.h"
+#include "engine/Engine.h"
 #include "engine/Error.h"
 
 namespace smfree {
@@ -29,7 +30,6 @@ SmFreeBackend::SmFreeBackend(const c10::intrusive_ptr<c10d::Store>& store, int r
     : c10d::Backend(rank, size),
       timeout_(timeout),
       groupName_(std::make_shared<const std::string>(groupName)),
-      selfExchange_(std::make_unique<SelfExchange>(groupName)),
       innerFactory_(std::move(innerFactory)) {
   // Bad collective settings fail here, not at a first collective.
   collectivesOnCopyEngines();
@@ -44,7 +44,6 @@ SmFreeBackend::SmFreeBackend(const c10::intrusive_ptr<c10d::Store>& store, int r
 
 SmFreeBackend::~SmFreeBackend() {
   WithoutGil released;
-  selfExchange_.reset();
   batch_.reset();
   {
     std::lock_guard<std::mutex> lock(innerMutex_);
@@ -105,7 +104,6 @@ c10::intrusive_ptr<c10d::Work> SmFreeBackend::pointToPoint(engine::OpKind kind,
     throw;
   }
   c10::intrusive_ptr<c10d::Work> work = op.work;
-  if (op.self) work = op.self->work;
   // The metadata ProcessGroupNCCL records for its send and recv (op, peer, elements, dtype,
   // group), which torch.profiler puts on the "record_param_comms" range and trace tools read.
   const at::Tensor& tensor = tensors.front();
@@ -142,19 +140,18 @@ SmFreeBackend::PreparedOp SmFreeBackend::prepare(engine::OpKind kind,
                   groupName_, collective};
   if (!fromAnySource) checkPeer(label, getSize());
   const auto call = [&] { return label.describe(); };
-  const bool toSelf = peer == getRank();
   // Arguments are checked first, so a bad call gets the same error whatever its peer's state.
   try {
     if (peer == engine::kAnySource) {
       group_->connectAll();
-    } else if (!toSelf) {
+    } else {
       group_->connect(peer);
     }
   } catch (const engine::Error& error) {
     C10_THROW_ERROR(DistBackendError,
                     c10::str("smfree: ", call(), " cannot connect: ", engine::reasonOf(error)));
   }
-  if (peer != engine::kAnySource && !toSelf) {
+  if (peer != engine::kAnySource) {
     if (auto failure = group_->peerFailure(peer)) {
       C10_THROW_ERROR(DistBackendError, c10::str("smfree: ", call(), " refused: ", *failure));
     }
@@ -163,10 +160,10 @@ SmFreeBackend::PreparedOp SmFreeBackend::prepare(engine::OpKind kind,
   if (auto failure = group_->failureAfterWait()) {
     C10_THROW_ERROR(DistBackendError, c10::str("smfree: ", call(), " refused: ", *failure));
   }
-  if (toSelf) return prepareSelf(label, tensor, batch);
-  // Collectives place their pieces themselves; a user's ops may not overlap a recv's bytes.
+  // Collectives place their pieces themselves; a user's ops may not overlap a recv's bytes. An
+  // op to this rank itself may: its pair's bytes move in one copy (a memmove on the CPU).
   std::shared_ptr<InFlightSpan> span;
-  if (!collective) {
+  if (!collective && peer != getRank()) {
     span = inFlight_->add(onCuda ? tensor.device().index() : -1, tensor.data_ptr(),
                           tensor.nbytes(), label);
   }
@@ -239,27 +236,10 @@ SmFreeBackend::PreparedOp SmFreeBackend::prepare(engine::OpKind kind,
     work->addInFlight(span);
     if (batch) batch->addInFlight(span);
   }
-  return PreparedOp{std::move(request), work, cpuWaited, nullptr, std::move(span)};
-}
-
-SmFreeBackend::PreparedOp SmFreeBackend::prepareSelf(const WorkLabel& label,
-                                                     const at::Tensor& tensor,
-                                                     const c10::intrusive_ptr<SmFreeWork>& batch) {
-  PreparedOp op;
-  op.cpuWaited = !tensor.device().is_cuda();
-  op.self = selfExchange_->prepare(label, tensor, batch);
-  if (batch) {
-    batch->expectOp(op.cpuWaited);
-    batch->addWaitedWork(op.self->work);
-  }
-  return op;
+  return PreparedOp{std::move(request), work, cpuWaited, std::move(span)};
 }
 
 void SmFreeBackend::post(PreparedOp& op, const c10::intrusive_ptr<SmFreeWork>& batch) {
-  if (op.self) {
-    selfExchange_->post(op.self, group_->timeout());
-    return;
-  }
   const int device = op.request.buffer.device;
   const std::chrono::milliseconds timeout = group_->timeout();
   std::optional<engine::OpFence> fence;
@@ -323,12 +303,12 @@ c10::intrusive_ptr<c10d::Work> SmFreeBackend::endCoalescing() {
 
 void SmFreeBackend::postBatch(Batch& batch) {
   // A batch's ops have no order among themselves. Its recvs go first: a captured send posted
-  // after its recv copies straight into the recv's buffer (CapturedChannel.h). Its ops to the
-  // rank itself go last, in their order: their copy is queued on the current stream at once,
-  // and a send posted after it would wait for it there before leaving.
-  const auto place = [](const PreparedOp& op) {
-    if (op.self) return 2;
-    return op.request.kind == engine::OpKind::kRecv ? 0 : 1;
+  // after its recv copies straight into the recv's buffer (CapturedChannel.h). Its sends to the
+  // rank itself go last: their copy is queued on the current stream at their post
+  // (LoopbackChannel.h), and a send posted after it would wait for it there before leaving.
+  const auto place = [rank = getRank()](const PreparedOp& op) {
+    if (op.request.kind == engine::OpKind::kRecv) return 0;
+    return op.request.peer == rank ? 2 : 1;
   };
   std::stable_sort(batch.ops.begin(), batch.ops.end(),
                    [&](const PreparedOp& a, const PreparedOp& b) { return place(a) < place(b); });
@@ -342,10 +322,6 @@ void SmFreeBackend::postBatch(Batch& batch) {
       for (size_t j = i; j < batch.ops.size(); ++j) {
         PreparedOp& op = batch.ops[j];
         if (op.span) op.span->end();
-        if (op.self) {
-          op.self->work->finish(failure);  // reports to the batch too
-          continue;
-        }
         op.work->onOpDone(failure, -1, op.cpuWaited, op.work->label());
         op.work->seal();
         batch.work->onOpDone(failure, -1, op.cpuWaited, op.work->label());
@@ -363,7 +339,6 @@ void SmFreeBackend::stop(const char* state, bool abortInner) {
     return;
   }
   WithoutGil released;  // the inner backends' shutdown and the group's close wait for threads
-  selfExchange_->close(c10::str("group '", group_->config().name, "' was ", state));
   try {
     group_->close(engine::StatusCode::kAborted,
                   c10::str("group '", group_->config().name, "' was ", state), abortInner);

@@ -14,7 +14,6 @@
 
 #include "backend/Collectives.h"
 #include "backend/InFlight.h"
-#include "backend/SelfExchange.h"
 #include "backend/SmFreeWork.h"
 #include "engine/Group.h"
 
@@ -104,7 +103,6 @@ class SmFreeBackend final : public c10d::Backend {
     engine::OpRequest request;
     c10::intrusive_ptr<SmFreeWork> work;
     bool cpuWaited = true;
-    std::shared_ptr<SelfExchange::Op> self;  // instead of the two above, for an op to this rank
     std::shared_ptr<InFlightSpan> span;  // its bytes in inFlight_: a user's op to another rank
   };
   // The ops called between startCoalescing and endCoalescing. Each is checked when it is
@@ -123,12 +121,10 @@ class SmFreeBackend final : public c10d::Backend {
                      bool fromAnySource, int tag,
                      const c10::intrusive_ptr<SmFreeWork>& batch,
                      const char* collective = nullptr);
-  PreparedOp prepareSelf(const WorkLabel& label, const at::Tensor& tensor,
-                         const c10::intrusive_ptr<SmFreeWork>& batch);
   void post(PreparedOp& op, const c10::intrusive_ptr<SmFreeWork>& batch);
   // Drops the coalescing block, none of whose ops was posted (under coalescingMutex_).
   void dropBatch();
-  // Posts a batch's ops, its recvs first and its ops to this rank last, and seals its Work.
+  // Posts a batch's ops, its recvs first and its sends to this rank last, and seals its Work.
   void postBatch(Batch& batch);
   // Whether this call of a collective runs on the copy engines (Collectives.h): SMFREE_COLLECTIVES
   // names it, its tensors are CUDA tensors, every other rank is reached through copy engines,
@@ -145,7 +141,6 @@ class SmFreeBackend final : public c10d::Backend {
   std::shared_ptr<engine::Group> group_;
   std::chrono::milliseconds timeout_;
   std::shared_ptr<const std::string> groupName_;  // shared by the labels of its Works
-  std::unique_ptr<SelfExchange> selfExchange_;
   const std::shared_ptr<InFlight> inFlight_ = InFlight::ofProcess();
 
   std::mutex innerMutex_;

@@ -103,12 +103,6 @@ void SmFreeWork::addStreamFence(std::shared_ptr<engine::Group> group, int device
   fences_.push_back(StreamFence{std::move(group), device, fence});
 }
 
-void SmFreeWork::addWaitedWork(c10::intrusive_ptr<c10d::Work> work) {
-  std::lock_guard<std::mutex> lock(stateMutex_);
-  TORCH_INTERNAL_ASSERT(!sealed_, "smfree: Work added to a sealed Work");
-  waitedWorks_.push_back(std::move(work));
-}
-
 void SmFreeWork::addInFlight(std::shared_ptr<InFlightSpan> span) {
   std::lock_guard<std::mutex> lock(stateMutex_);
   TORCH_INTERNAL_ASSERT(!sealed_, "smfree: span added to a sealed Work");
@@ -270,7 +264,6 @@ bool SmFreeWork::wait(std::chrono::milliseconds timeout) {
       C10_THROW_ERROR(DistBackendError, error.what());
     }
   }
-  for (const auto& work : waitedWorks_) work->wait(timeout);
   // Under the lock that onOpDone takes: a failure is either raised here or recorded for the
   // next call, never both and never neither.
   std::lock_guard<std::mutex> lock(stateMutex_);
@@ -291,7 +284,7 @@ template <typename Ready>
 void SmFreeWork::waitUnlessStalled(std::unique_lock<std::mutex>& lock, Ready ready,
                                    const char* call) {
   if (stallDeadline_ == std::chrono::steady_clock::time_point::max()) {
-    done_.wait(lock, ready);  // nothing posted to the engine (ops to this rank wait on their own)
+    done_.wait(lock, ready);  // nothing posted to the engine
     return;
   }
   // Ops carry the group timeout, so this wait ends unless the engine has stopped.

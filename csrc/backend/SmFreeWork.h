@@ -47,9 +47,6 @@ class SmFreeWork final : public c10d::Work {
   // An op with a fence: wait() makes the current stream wait for it rather than the CPU (see
   // wait()).
   void addStreamFence(std::shared_ptr<engine::Group> group, int device, engine::OpFence fence);
-  // An op that reports here but moves outside the engine (an op to this rank itself): wait()
-  // runs its Work's wait() too, which fences the current stream for it.
-  void addWaitedWork(c10::intrusive_ptr<c10d::Work> work);
   // An op with a stream fence holds `span` (InFlight.h) until it ends or wait() returns: from
   // then on the current stream orders what follows after the op's copy.
   void addInFlight(std::shared_ptr<InFlightSpan> span);
@@ -95,7 +92,7 @@ class SmFreeWork final : public c10d::Work {
     int device;
     engine::OpFence fence;
   };
-  // Queues the copies in of the caller-staged recvs among fences_ (engine::CallerStaging),
+  // Queues the copies in of the caller-staged recvs among fences_ (OpFence::queuedByWait),
   // waiting up to the group timeout for their match; the second, only until `until`.
   void queueStagedCopiesIn();
   void queueStagedCopiesInBy(std::chrono::steady_clock::time_point until,
@@ -122,7 +119,6 @@ class SmFreeWork final : public c10d::Work {
   // Added while posting, under stateMutex_; read without it once sealed_, when it no longer
   // changes.
   std::vector<StreamFence> fences_;
-  std::vector<c10::intrusive_ptr<c10d::Work>> waitedWorks_;  // as fences_
   std::vector<std::shared_ptr<InFlightSpan>> inFlight_;          // as fences_
   // Under stateMutex_: the latest post plus its group timeout and a margin; max: none posted.
   std::chrono::steady_clock::time_point stallDeadline_ =

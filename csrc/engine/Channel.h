@@ -41,6 +41,10 @@ struct OpTraits {
   bool returnsAtOnce = false;
   // OpFence::queuedByWait.
   bool queuedByWait = false;
+  // Its partner is in this process (an op to the rank itself): the channel paired it at its
+  // post, so it has no peer, sends no message and is never armed; the channel ends it through
+  // Done once it has started.
+  bool withinProcess = false;
 };
 
 // A sender's announcement, as its channel makes it (ReadyToSend::promised, ::channelData).

@@ -9,13 +9,13 @@
 namespace smfree::engine {
 
 // The engine's data channels, by kind. Iterated in the order the progress loop drives them:
-// the copy engines, the captured ops, then UCX. Members of an optional group reach only the
-// channels that declare it.
+// the copy engines, the captured ops, UCX, then the ops to the rank itself. Members of an
+// optional group reach only the channels that declare it.
 class Channels {
  public:
   Channels(std::unique_ptr<Channel> copyEngine, std::unique_ptr<Channel> captured,
-           std::unique_ptr<Channel> ucx)
-      : all_{std::move(copyEngine), std::move(captured), std::move(ucx)} {}
+           std::unique_ptr<Channel> ucx, std::unique_ptr<Channel> loopback)
+      : all_{std::move(copyEngine), std::move(captured), std::move(ucx), std::move(loopback)} {}
 
   Channel& of(ChannelKind kind) { return *all_[index(kind)]; }
   Channel& of(const Op& op) { return of(op.channel); }
@@ -47,7 +47,8 @@ class Channels {
     Channel& channel = of(kind);
     if (channel.declares(Capability::kNotices)) channel.onNotice(notice);
   }
-  // Destroys them: UCX first, its receive lane after its endpoints' flushes.
+  // Destroys them in reverse: UCX before the copy engines, its receive lane after its
+  // endpoints' flushes.
   void reset() {
     for (auto it = all_.rbegin(); it != all_.rend(); ++it) it->reset();
   }
@@ -59,13 +60,15 @@ class Channels {
         return 0;
       case ChannelKind::kCaptured:
         return 1;
+      case ChannelKind::kLoopback:
+        return 3;
       case ChannelKind::kUcx:
         break;
     }
     return 2;
   }
 
-  std::array<std::unique_ptr<Channel>, 3> all_;
+  std::array<std::unique_ptr<Channel>, 4> all_;
 };
 
 }  // namespace smfree::engine

@@ -10,15 +10,6 @@
 namespace smfree::engine {
 namespace {
 
-LogLevel parseLogLevel(const char* text) {
-  const std::string value = text ? text : "warn";
-  if (value == "error") return LogLevel::kError;
-  if (value == "warn") return LogLevel::kWarn;
-  if (value == "info") return LogLevel::kInfo;
-  if (value == "debug") return LogLevel::kDebug;
-  fail("SMFREE_LOG_LEVEL='", value, "' is not one of error, warn, info, debug");
-}
-
 Transport parseTransport(const char* text) {
   const std::string value = text && *text ? text : "auto";
   if (value == "auto") return Transport::kAuto;
@@ -71,7 +62,7 @@ long parseNonNegative(const char* name, long fallback) {
 
 Config Config::fromEnv() {
   Config config;
-  config.logLevel = parseLogLevel(std::getenv("SMFREE_LOG_LEVEL"));
+  logLevel();  // a bad SMFREE_LOG_LEVEL fails the engine's start, as the other settings do
   if (const char* spin = std::getenv("SMFREE_SPIN_US"); spin && *spin) {
     config.spin = std::chrono::microseconds(parseNonNegative("SMFREE_SPIN_US", 0));
   }

@@ -5,11 +5,9 @@
 #include <cstdint>
 #include <optional>
 
-#include "engine/cuda/Copies.h"
+#include "engine/cuda/LocalCopies.h"
 
 namespace smfree::engine {
-
-enum class LogLevel;
 
 // Which data channel carries CUDA tensors (SMFREE_TRANSPORT). CPU tensors always go over UCX.
 enum class Transport {
@@ -20,7 +18,6 @@ enum class Transport {
 
 // Every SMFREE_* setting the engine reads, parsed once. The README documents each.
 struct Config {
-  LogLevel logLevel;
   // SMFREE_SPIN_US, if set: how long the engine's threads poll after their last event before
   // they sleep. Unset, Spin chooses.
   std::optional<std::chrono::microseconds> spin;

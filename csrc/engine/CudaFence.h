@@ -35,6 +35,8 @@ struct OpFence {
   // A recv whose copies in only its caller's wait() (or a poll) queues: without one it never
   // ends.
   bool queuedByWait = false;
+  // Posted while its stream captured a CUDA graph: its wait() must be inside that capture too.
+  bool insideCapture = false;
   std::shared_ptr<CudaFence> fence;
 };
 

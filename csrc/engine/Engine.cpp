@@ -5,6 +5,7 @@
 #include "engine/Log.h"
 #include "engine/channels/captured/CapturedChannel.h"
 #include "engine/channels/copy_engine/CopyEngineChannel.h"
+#include "engine/channels/loopback/LoopbackChannel.h"
 #include "engine/channels/ucx/UcxChannel.h"
 #include "engine/transports/ucx/UcxContext.h"
 #include "engine/transports/ucx/UcxControl.h"
@@ -81,7 +82,8 @@ Engine::Engine(Private)
         sendToLive(key, ChannelNotice{local_.processKey, ChannelKind::kCaptured, std::move(data)});
       });
   channels_ = std::make_unique<Channels>(std::move(copyEngine), std::move(captured),
-                                         std::move(ucx));
+                                         std::move(ucx),
+                                         std::make_unique<LoopbackChannel>(*cudaOps_, onDone));
   control_ = std::make_unique<UcxControl>(
       *worker_, [this](const void* data, size_t length) { onControlMessage(data, length); });
   peers_ = std::make_unique<PeerTable>(

@@ -12,6 +12,7 @@
 #include "engine/Config.h"
 #include "engine/CudaOps.h"
 #include "engine/Failures.h"
+#include "engine/GroupEngine.h"
 #include "engine/GroupState.h"
 #include "engine/Op.h"
 #include "engine/Peer.h"
@@ -33,7 +34,7 @@ class UcxWorker;
 // One per process, shared by every group: the UCX worker and control transport, the data
 // channels, the peer table, the rendezvous and the progress loop that drives them. Its
 // methods are for any thread; they reach the progress thread's state through the loop.
-class Engine : public std::enable_shared_from_this<Engine> {
+class Engine : public GroupEngine, public std::enable_shared_from_this<Engine> {
   struct Private {};
 
  public:
@@ -43,32 +44,27 @@ class Engine : public std::enable_shared_from_this<Engine> {
   static void stopProcessEngine();
 
   explicit Engine(Private);
-  ~Engine();
+  ~Engine() override;
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
 
   // Publishes this process in the group's store and registers the group.
   std::shared_ptr<Group> joinGroup(GroupConfig config, std::shared_ptr<KeyValueStore> store,
                                    std::chrono::milliseconds timeout);
-  const Config& config() const { return config_; }
-  const Spin& spin() const { return spin_; }
-  const PeerAddress& localAddress() const { return local_; }
-  Failures& failures() { return failures_; }
-  // The channel of that kind, for prepare() on the caller's thread.
-  Channel& channel(ChannelKind kind) { return channels_->of(kind); }
-  uint64_t nextOpId() { return nextOpId_.fetch_add(1); }
+  const Config& config() const override { return config_; }
+  const Spin& spin() const override { return spin_; }
+  const PeerAddress& localAddress() const override { return local_; }
+  Failures& failures() override { return failures_; }
+  Channel& channel(ChannelKind kind) override { return channels_->of(kind); }
+  uint64_t nextOpId() override { return nextOpId_.fetch_add(1); }
 
-  // Connects the group's `rank` at `address`; returns how CUDA ops toward it are prepared.
   PeerRoute connect(uint64_t groupId, int rank, const PeerAddress& address,
-                    std::chrono::milliseconds timeout);
-  // Hands a prepared op to the progress thread, which starts it.
-  void post(std::shared_ptr<Op> op);
-  // Waits, until `deadline` at most, for the ops whose wait() returned before they ended
-  // (ChannelOp::outlivesWait) to finish: of one group, or of all.
-  void awaitReleasedOps(std::optional<uint64_t> groupId, Clock::time_point deadline);
-  void closeGroup(uint64_t groupId, StatusCode code, const std::string& reason);
-  std::string dumpPending(uint64_t groupId);
-  std::map<std::string, int64_t> stats();
+                    std::chrono::milliseconds timeout) override;
+  void post(std::shared_ptr<Op> op) override;
+  void awaitReleasedOps(std::optional<uint64_t> groupId, Clock::time_point deadline) override;
+  void closeGroup(uint64_t groupId, StatusCode code, const std::string& reason) override;
+  std::string dumpPending(uint64_t groupId) override;
+  std::map<std::string, int64_t> stats() override;
 
  private:
   // Stops the progress thread and the channels' threads: at process exit, before UCX and

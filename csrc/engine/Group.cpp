@@ -33,7 +33,7 @@ bool pollUntil(Done done, std::chrono::microseconds spin, Clock::time_point dead
 
 }  // namespace
 
-Group::Group(std::shared_ptr<Engine> engine, std::shared_ptr<const GroupConfig> config,
+Group::Group(std::shared_ptr<GroupEngine> engine, std::shared_ptr<const GroupConfig> config,
              std::shared_ptr<KeyValueStore> store, std::chrono::milliseconds timeout)
     : engine_(std::move(engine)),
       config_(std::move(config)),
@@ -60,7 +60,8 @@ Group::~Group() {
 }
 
 void Group::connect(int rank) {
-  if (connected_[rank].load(std::memory_order_acquire)) {
+  // This rank itself needs no endpoint: its ops never leave the process (kLoopback).
+  if (rank == config_->rank || connected_[rank].load(std::memory_order_acquire)) {
     return;
   }
   std::vector<uint8_t> published;
@@ -102,6 +103,7 @@ void Group::checkCapture(OpRequest& request) const {
   request.capture = cuda::captureOf(static_cast<CUstream>(request.stream));
   if (!request.capture) return;
   const int peer = request.peer;
+  if (peer == config_->rank) return;  // its bytes never leave the process: any transport
   if (peer == kAnySource) {
     fail("a CUDA recv from any source cannot be captured in a CUDA graph: a graph's copies are "
          "fixed at capture, and its sender is known only once it matches; name the source rank");
@@ -129,33 +131,39 @@ std::optional<OpFence> Group::post(OpRequest request) {
   op->config = config_;
   const bool onCuda = op->request.buffer.memory == MemoryKind::kCuda;
   const int peer = op->request.peer;
-  if (onCuda) {
+  if (peer == config_->rank) {
+    op->channel = ChannelKind::kLoopback;  // CPU ops too: paired at the post, below
+  } else if (onCuda) {
     op->channel = op->request.capture ? ChannelKind::kCaptured : cudaChannel(peer);
   }
   std::lock_guard<std::mutex> numbering(postMutex_);
   const bool placeKnown = number(*op);
   std::optional<OpFence> fence;
   Channel& channel = engine_->channel(op->channel);
-  if (onCuda) {
-    PostOptions options{timeout(), {}, {}, placeKnown};
-    if (peer != kAnySource) {
-      options.route.stagedThroughHost = stagesCuda_[peer];
-      std::lock_guard<std::mutex> lock(keysMutex_);
-      options.peerKey = addresses_[peer].processKey;
-      options.peer = &addresses_[peer];
-    }
-    try {
+  PostOptions options{timeout(), {}, {}, placeKnown};
+  if (onCuda && peer != kAnySource) {
+    options.route.stagedThroughHost = stagesCuda_[peer];
+    std::lock_guard<std::mutex> lock(keysMutex_);
+    options.peerKey = addresses_[peer].processKey;
+    options.peer = &addresses_[peer];
+  }
+  try {
+    if (onCuda) {
       // A user's CUDA graph capture, in progress on this thread or another, neither refuses
       // nor is broken by what the channel calls here.
       cuda::RelaxedCapture relaxed;
       op->channelOp = channel.prepare(*op, options);
-    } catch (...) {
-      unnumber(*op);  // not posted: the next op takes its place in the line
-      throw;
+    } else {
+      // A CPU op to the rank itself is paired here, its bytes moved if its partner came first.
+      op->channelOp = channel.prepare(*op, options);
     }
-    fence = OpFence{op->channel, op->channelOp->traits().queuedByWait, op->channelOp};
-  } else {
-    op->channelOp = channel.prepare(*op, PostOptions{timeout(), {}, {}, placeKnown});
+  } catch (...) {
+    unnumber(*op);  // not posted: the next op takes its place in the line
+    throw;
+  }
+  if (onCuda) {
+    fence = OpFence{op->channel, op->channelOp->traits().queuedByWait,
+                    op->request.capture.has_value(), op->channelOp};
   }
   op->posted = Clock::now();
   op->deadline = op->posted + timeout();
@@ -258,7 +266,7 @@ void Group::recordFailureAfterWait(std::string why) {
 }
 
 void Group::checkWaitable(void* stream, const OpFence& fence) const {
-  const bool captured = fence.channel == ChannelKind::kCaptured;
+  const bool captured = fence.insideCapture;
   const std::optional<cuda::Capture> capture = cuda::captureOf(static_cast<CUstream>(stream));
   if (captured && !capture) {
     fail("the op was captured in a CUDA graph: wait for it inside its capture, on a stream "

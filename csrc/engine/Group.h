@@ -11,15 +11,17 @@
 #include <vector>
 
 #include "engine/CudaFence.h"
-#include "engine/Engine.h"
+#include "engine/GroupConfig.h"
+#include "engine/GroupEngine.h"
 #include "engine/Peer.h"
+#include "engine/Store.h"
 
 namespace smfree::engine {
 
 // A member's handle on one group: thread-safe, used by the c10d backend.
 class Group {
  public:
-  Group(std::shared_ptr<Engine> engine, std::shared_ptr<const GroupConfig> config,
+  Group(std::shared_ptr<GroupEngine> engine, std::shared_ptr<const GroupConfig> config,
         std::shared_ptr<KeyValueStore> store, std::chrono::milliseconds timeout);
   ~Group();  // closes the group: its pending ops fail
   Group(const Group&) = delete;
@@ -29,7 +31,8 @@ class Group {
   std::chrono::milliseconds timeout() const { return std::chrono::milliseconds(timeoutMs_.load()); }
   void setTimeout(std::chrono::milliseconds timeout) { timeoutMs_ = timeout.count(); }
 
-  // Makes sure the endpoint to `rank` exists (first use: a store lookup). Throws on failure.
+  // Makes sure the endpoint to `rank` exists (first use: a store lookup); this rank itself
+  // needs none. Throws on failure.
   void connect(int rank);
   void connectAll();
   // Which channel an uncaptured CUDA op with `peer` (a rank or kAnySource, once connected)
@@ -37,7 +40,8 @@ class Group {
   ChannelKind cudaChannel(int peer) const;
   // At a CUDA op's call: sets request.capture to the CUDA graph capture its stream takes part
   // in, if any. Throws Error if the op cannot be captured (a recv from any source, a peer on
-  // another host, SMFREE_TRANSPORT=ucx) or the stream's capture is unusable.
+  // another host, SMFREE_TRANSPORT=ucx; an op to the rank itself always can) or the stream's
+  // capture is unusable.
   void checkCapture(OpRequest& request) const;
   // Never blocks on the transfer; `request.onComplete` reports the outcome. For a CUDA op it
   // returns what streams wait on (waitOnStream) to see the op's buffer done with.
@@ -90,7 +94,7 @@ class Group {
   // How long a caller waits for an op's copy to be queued before it blames a stuck engine.
   Clock::time_point queuedDeadline() const;
 
-  std::shared_ptr<Engine> engine_;
+  std::shared_ptr<GroupEngine> engine_;
   std::shared_ptr<const GroupConfig> config_;
   std::shared_ptr<KeyValueStore> store_;
   uint64_t id_;

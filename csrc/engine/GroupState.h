@@ -8,20 +8,12 @@
 #include <utility>
 #include <vector>
 
+#include "engine/GroupConfig.h"
 #include "engine/Matcher.h"
 
 namespace smfree::engine {
 
 struct Peer;
-
-// Identity of a group as every member knows it.
-struct GroupConfig {
-  std::string name;  // the c10d group name, equal on every member
-  int rank = 0;
-  int size = 0;
-};
-
-uint64_t groupIdOf(const std::string& name);
 
 // A group as the progress thread sees it.
 struct GroupState {

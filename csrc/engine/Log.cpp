@@ -7,12 +7,25 @@
 #include <mutex>
 #include <set>
 
-#include "engine/Config.h"
 
 namespace smfree::engine {
 
+namespace {
+
+LogLevel parseLogLevel(const char* text) {
+  const std::string value = text ? text : "warn";
+  if (value == "error") return LogLevel::kError;
+  if (value == "warn") return LogLevel::kWarn;
+  if (value == "info") return LogLevel::kInfo;
+  if (value == "debug") return LogLevel::kDebug;
+  fail("SMFREE_LOG_LEVEL='", value, "' is not one of error, warn, info, debug");
+}
+
+}  // namespace
+
 LogLevel logLevel() {
-  static const LogLevel level = Config::fromEnv().logLevel;
+  // Read here, not through Config: Config's own parsing logs.
+  static const LogLevel level = parseLogLevel(std::getenv("SMFREE_LOG_LEVEL"));
   return level;
 }
 

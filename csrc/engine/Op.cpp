@@ -1,7 +1,7 @@
 #include "engine/Op.h"
 
 #include "engine/Error.h"
-#include "engine/GroupState.h"
+#include "engine/GroupConfig.h"
 
 namespace smfree::engine {
 
@@ -16,14 +16,6 @@ std::string Op::describe() const {
                 " (group '", group.name, "', ",
                 isCollective() ? std::string("a collective") : concat("tag ", request.tag), ", ",
                 request.desc.describe(), ")");
-}
-
-uint64_t groupIdOf(const std::string& name) {
-  uint64_t hash = 1469598103934665603ull;  // FNV-1a
-  for (unsigned char c : name) {
-    hash = (hash ^ c) * 1099511628211ull;
-  }
-  return hash;
 }
 
 }  // namespace smfree::engine

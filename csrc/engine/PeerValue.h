@@ -7,7 +7,6 @@
 #include <utility>
 
 #include "engine/Error.h"
-#include "engine/cuda/FlagSegment.h"
 
 namespace smfree::engine {
 
@@ -53,11 +52,6 @@ inline void checkWithin(const char* message, const char* field, uint64_t offset,
     badPeerValue(message, field, length, " B at offset ", offset,
                  " run past the end of the ", size, " B they lie in");
   }
-}
-
-// A word of a flag segment (this process's or a peer's): its index within the segment.
-inline void checkFlag(const char* message, const char* field, const cuda::Flag& flag) {
-  checkBelow(message, field, flag.index, cuda::FlagSegment::kWords);
 }
 
 }  // namespace smfree::engine

@@ -26,6 +26,8 @@ const char* channelName(ChannelKind kind) {
       return "the copy engines";
     case ChannelKind::kCaptured:
       return "the copy engines inside a CUDA graph";
+    case ChannelKind::kLoopback:
+      return "a copy within this process";
     case ChannelKind::kUcx:
       break;
   }
@@ -183,7 +185,8 @@ std::optional<Status> Rendezvous::refusalAtStart(const Op& op, const GroupState*
     return Status::failure(StatusCode::kAborted,
                            concat(op.describe(), " failed: the group is closed"));
   }
-  if (op.request.peer == kAnySource) {
+  // A recv from any source waits for whichever peer; an op to the rank itself has none.
+  if (op.request.peer == kAnySource || op.channelOp->traits().withinProcess) {
     return std::nullopt;
   }
   const Peer* peer = group->peers[op.request.peer];
@@ -213,6 +216,11 @@ void Rendezvous::startOp(const std::shared_ptr<Op>& op) {
   op->awaitsProgress = !op->channelOp->traits().returnsAtOnce;
   if (op->awaitsProgress) ++awaitingProgress_;
   transition(op, OpState::kWaiting);
+  if (op->channelOp->traits().withinProcess) {
+    // Paired at its post, with no message to send: its channel ends it now that it started.
+    if (!op->isSend()) op->source = op->request.peer;
+    return;
+  }
   if (op->isSend()) {
     Peer& peer = *group->peers[op->request.peer];
     ChannelAnnouncement announcement;

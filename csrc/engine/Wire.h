@@ -11,8 +11,10 @@
 namespace smfree::engine {
 
 // Which data channel an op uses; both sides of a pair must agree (SMFREE_TRANSPORT). Same-host
-// CUDA ops posted while their stream captures a CUDA graph take the captured channel.
-enum class ChannelKind : uint8_t { kUcx = 0, kCopyEngine = 1, kCaptured = 2 };
+// CUDA ops posted while their stream captures a CUDA graph take the captured channel. Ops to
+// the rank itself take the loopback channel, whose ops never meet a peer: it is never on the
+// wire (known() refuses it there).
+enum class ChannelKind : uint8_t { kUcx = 0, kCopyEngine = 1, kCaptured = 2, kLoopback = 3 };
 
 // Control messages between engines. A send is announced to its receiver, which matches it
 // in posting order and either clears it (the channel then moves the bytes) or refuses it.

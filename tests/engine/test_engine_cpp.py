@@ -11,11 +11,12 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-SOURCES = ["Matcher.cpp", "Wire.cpp", "TensorDesc.cpp", "Op.cpp", "Log.cpp", "Config.cpp", "Spin.cpp",
-           "PeerAddress.cpp",
+SOURCES = ["Matcher.cpp", "Wire.cpp", "TensorDesc.cpp", "Op.cpp", "GroupConfig.cpp", "Log.cpp",
+           "Config.cpp", "Spin.cpp", "PeerAddress.cpp",
            "cuda/FlagSegment.cpp", "cuda/CudaDriver.cpp", "cuda/Capture.cpp", "cuda/IpcExport.cpp",
            "cuda/IpcCache.cpp", "cuda/DeviceMemory.cpp", "cuda/Event.cpp", "cuda/Stream.cpp",
-           "cuda/StreamMemoryOps.cpp", "cuda/Copies.cpp", "cuda/Bounce.cpp",
+           "cuda/StreamMemoryOps.cpp", "cuda/Copies.cpp", "cuda/LocalCopies.cpp",
+           "cuda/Bounce.cpp",
            "cuda/PinnedMemory.cpp", "channels/copy_engine/StagingRing.cpp",
            "channels/copy_engine/RingMemory.cpp", "channels/copy_engine/ChannelData.cpp",
            "channels/copy_engine/EagerLanes.cpp", "channels/copy_engine/CollectiveRecords.cpp",
@@ -24,7 +25,8 @@ SOURCES = ["Matcher.cpp", "Wire.cpp", "TensorDesc.cpp", "Op.cpp", "Log.cpp", "Co
            "channels/copy_engine/EagerProtocol.cpp",
            "channels/captured/GraphWait.cpp",
            "channels/captured/CapturedAnnouncement.cpp",
-           "channels/captured/PostedRecvs.cpp"]
+           "channels/captured/PostedRecvs.cpp", "CudaOps.cpp",
+           "channels/loopback/LoopbackPairing.cpp"]
 
 
 def cuda_include():

@@ -6,8 +6,8 @@
 #include <vector>
 
 #include "engine/Log.h"
-#include "engine/cuda/Copies.h"
 #include "engine/cuda/CudaDriver.h"
+#include "engine/cuda/LocalCopies.h"
 
 namespace smfree::engine::cuda {
 namespace {

@@ -6,6 +6,7 @@
 #include <memory>
 
 #include "engine/cuda/Bounce.h"
+#include "engine/cuda/LocalCopies.h"
 
 namespace smfree::engine::cuda {
 
@@ -21,17 +22,6 @@ namespace smfree::engine::cuda {
 // SMFREE_LOCAL_COPIES=driver leaves it to the driver.
 
 constexpr int kHostMemory = -1;
-
-// How a copy within one GPU runs (SMFREE_LOCAL_COPIES): in two copy-engine hops through a
-// bounce on a peer GPU (NVLink) or in pinned host memory (PCIe); or as the driver's copy, which
-// CUDA 13.0 drivers run as a kernel on SMs.
-enum class LocalCopies { kDriver, kPeerGpu, kHost };
-
-// Set once by the engine, before its first copy; kDriver until then.
-void setLocalCopies(LocalCopies how);
-LocalCopies localCopies();
-// For the log: what `how` runs on.
-const char* describe(LocalCopies how);
 
 // One end of a copy: an address valid in every context of the process (unified addressing),
 // and the GPU whose memory it is, or kHostMemory.

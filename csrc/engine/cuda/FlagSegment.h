@@ -6,6 +6,8 @@
 #include <string>
 #include <vector>
 
+#include "engine/PeerValue.h"
+
 namespace smfree::engine::cuda {
 
 // One 32-bit signal word in a flag segment, and the value that means "set" for its current
@@ -126,3 +128,12 @@ class RemoteFlagSegment {
 bool reached(uint32_t word, uint32_t value);
 
 }  // namespace smfree::engine::cuda
+
+namespace smfree::engine {
+
+// A word of a flag segment (this process's or a peer's): its index within the segment.
+inline void checkFlag(const char* message, const char* field, const cuda::Flag& flag) {
+  checkBelow(message, field, flag.index, cuda::FlagSegment::kWords);
+}
+
+}  // namespace smfree::engine
