@@ -12,6 +12,7 @@
 
 #include "backend/CallerRelease.h"
 #include "backend/Errors.h"
+#include "backend/FuturePoller.h"
 #include "backend/InFlight.h"
 #include "backend/WithoutGil.h"
 #include "engine/Error.h"
@@ -178,17 +179,42 @@ bool SmFreeWork::isCompleted() {
     if (finished_ || !sealed_) return finished_;
   }
   // A caller-staged recv ends only once its copies in are queued, which a poll does too.
-  for (const StreamFence& fence : fences_) {
-    if (!fence.fence.queuedByWait) continue;
-    try {
-      fence.group->queueCopiesInOnceMatched(fence.fence);
-    } catch (const engine::Error& error) {
-      C10_THROW_ERROR(DistBackendError, c10::str("smfree: is_completed() on ", label_.describe(),
-                                                 ": ", error.what()));
-    }
+  try {
+    queueStagedCopiesInIfMatched();
+  } catch (const engine::Error& error) {
+    C10_THROW_ERROR(DistBackendError, c10::str("smfree: is_completed() on ", label_.describe(),
+                                               ": ", error.what()));
   }
   std::lock_guard<std::mutex> lock(stateMutex_);
   return finished_;
+}
+
+bool SmFreeWork::queueStagedCopiesInIfMatched() {
+  bool all = true;
+  for (const StreamFence& fence : fences_) {
+    if (fence.fence.queuedByWait) all = fence.group->queueCopiesInOnceMatched(fence.fence) && all;
+  }
+  return all;
+}
+
+bool SmFreeWork::pollCopiesIn() {
+  {
+    std::lock_guard<std::mutex> lock(stateMutex_);
+    if (finished_) return true;
+    if (!sealed_) return false;
+  }
+  try {
+    return queueStagedCopiesInIfMatched();
+  } catch (const engine::Error& error) {
+    std::lock_guard<std::mutex> lock(stateMutex_);
+    if (!error_) {
+      error_ = std::make_exception_ptr(c10::DistBackendError(
+          c10::SourceLocation{__func__, __FILE__, __LINE__},
+          c10::str("smfree: ", label_.describe(), ": its copies in could not be queued for its "
+                   "future: ", error.what())));
+    }
+    return true;
+  }
 }
 
 bool SmFreeWork::isSuccess() const {
@@ -362,6 +388,20 @@ void SmFreeWork::synchronize() {
   }
 }
 
-c10::intrusive_ptr<c10::ivalue::Future> SmFreeWork::getFuture() { return future_; }
+c10::intrusive_ptr<c10::ivalue::Future> SmFreeWork::getFuture() {
+  // Inside a coalescing block its fences are not all known yet: polled until it is posted.
+  bool polled = false;
+  {
+    std::lock_guard<std::mutex> lock(stateMutex_);
+    polled = !finished_ && (!sealed_ || std::any_of(fences_.begin(), fences_.end(),
+                                                     [](const StreamFence& fence) {
+                                                       return fence.fence.queuedByWait;
+                                                     }));
+  }
+  if (polled && !polledForFuture_.exchange(true)) {
+    FuturePoller::watch(c10::intrusive_ptr<SmFreeWork>::reclaim_copy(this));
+  }
+  return future_;
+}
 
 }  // namespace smfree

@@ -68,6 +68,10 @@ class SmFreeWork final : public c10d::Work {
   bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
   void synchronize() override;
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
+  // For FuturePoller: queues the copies in of its caller-staged recvs that their match allows;
+  // true once nothing is left for a poll to do (all queued, the Work ended, or queueing failed,
+  // which then fails the Work).
+  bool pollCopiesIn();
 
  private:
   void completeIfDone(std::unique_lock<std::mutex>& lock);
@@ -95,6 +99,9 @@ class SmFreeWork final : public c10d::Work {
   // Queues the copies in of the caller-staged recvs among fences_ (OpFence::queuedByWait),
   // waiting up to the group timeout for their match; the second, only until `until`.
   void queueStagedCopiesIn();
+  // Queues those whose match allows it, without waiting; true once all are queued. Throws
+  // engine::Error.
+  bool queueStagedCopiesInIfMatched();
   void queueStagedCopiesInBy(std::chrono::steady_clock::time_point until,
                              std::chrono::milliseconds timeout);
 
@@ -115,6 +122,7 @@ class SmFreeWork final : public c10d::Work {
   // refuses the group's next call instead.
   bool waitReturned_ = false;
   std::exception_ptr error_;
+  std::atomic<bool> polledForFuture_{false};  // handed to FuturePoller
   int source_ = -1;
   // Added while posting, under stateMutex_; read without it once sealed_, when it no longer
   // changes.
