@@ -16,14 +16,15 @@ rank = int(sys.argv[1])
 torch.cuda.set_device(int(sys.argv[3]))
 dist.init_process_group("smfree", init_method="file://" + sys.argv[2], rank=rank, world_size=2)
 mine = torch.full((1 << 20,), float(rank), device="cuda")
-got = torch.empty_like(mine)
-for _ in range(20):
+# A buffer per recv: recvs in flight may not share bytes.
+gots = [torch.empty_like(mine) for _ in range(20)]
+for got in gots:
     works = dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, 1 - rank),
                                     dist.P2POp(dist.irecv, got, 1 - rank)])
 for work in works:
     work.wait()
 torch.cuda.synchronize()
-assert got[0].item() == 1 - rank
+assert all(got[0].item() == 1 - rank for got in gots)
 # No destroy_process_group(), as Megatron-LM's pretrain ends; the works stay alive to the end.
 """
 

@@ -10,6 +10,15 @@
 #include "engine/cuda/Copies.h"
 
 namespace smfree::engine {
+namespace {
+
+// An event recorded in a capturing stream may not be queried, as the pool does with the events
+// given back to it (cuEventQuery refuses it): a captured op's events are its own.
+std::shared_ptr<cuda::Event> eventFor(const LoopbackOp& half, int device) {
+  return half.capture ? std::make_shared<cuda::Event>(device) : cuda::takeEvent(device);
+}
+
+}  // namespace
 
 std::shared_ptr<LoopbackOp> LoopbackPairing::post(Op& op) {
   auto half = std::make_shared<LoopbackOp>();
@@ -19,7 +28,7 @@ std::shared_ptr<LoopbackOp> LoopbackPairing::post(Op& op) {
   if (op.request.buffer.memory == MemoryKind::kCuda) {
     // The stream as it is now: if the op is paired later, its copy waits for this much of it.
     // Recorded before the lock, which the progress thread takes: no CUDA call under it.
-    half->posted = cuda::takeEvent(op.request.buffer.device);
+    half->posted = eventFor(*half, op.request.buffer.device);
     half->posted->record(static_cast<CUstream>(op.request.stream));
   }
   std::shared_ptr<LoopbackOp> earlier;
@@ -122,7 +131,7 @@ std::optional<Status> LoopbackPairing::copy(LoopbackOp& sendOp, LoopbackOp& recv
   } else {
     cuda::queueCopy(stream, device, to, from, bytes, kWhat);
   }
-  std::shared_ptr<cuda::Event> copied = cuda::takeEvent(device);
+  std::shared_ptr<cuda::Event> copied = eventFor(later, device);
   copied->record(stream);
   sendOp.copied = copied;
   recvOp.copied = copied;
