@@ -18,9 +18,10 @@ dist.init_process_group("smfree", init_method="file://" + sys.argv[2], rank=rank
 mine = torch.full((1 << 20,), float(rank), device="cuda")
 # A buffer per recv: recvs in flight may not share bytes.
 gots = [torch.empty_like(mine) for _ in range(20)]
+works = []
 for got in gots:
-    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, 1 - rank),
-                                    dist.P2POp(dist.irecv, got, 1 - rank)])
+    works += dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, 1 - rank),
+                                     dist.P2POp(dist.irecv, got, 1 - rank)])
 for work in works:
     work.wait()
 torch.cuda.synchronize()
