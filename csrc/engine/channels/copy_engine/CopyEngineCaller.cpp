@@ -2,6 +2,7 @@
 // caller's stream; an eager send's copy on a stream of its own), and the fence its wait() puts
 // on the caller's stream; and what the progress thread gives back once the op has ended.
 #include "engine/channels/copy_engine/CopyEngineChannel.h"
+#include "engine/channels/copy_engine/CopyEngineChannelOp.h"
 
 #include <thread>
 

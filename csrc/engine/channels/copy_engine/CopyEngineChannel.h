@@ -12,13 +12,15 @@
 #include "engine/CudaOps.h"
 #include "engine/ProgressThread.h"
 #include "engine/channels/copy_engine/CollectiveProtocol.h"
-#include "engine/channels/copy_engine/CopyEngineChannelOp.h"
 #include "engine/channels/copy_engine/CopyEngineContext.h"
 #include "engine/channels/copy_engine/DirectProtocol.h"
 #include "engine/channels/copy_engine/EagerProtocol.h"
 #include "engine/channels/copy_engine/StagedProtocol.h"
 
 namespace smfree::engine {
+
+class CopyEngineChannelOp;
+struct CopyEngineFence;
 
 // Same-host CUDA buffers, moved by the GPUs' copy engines by one of four protocols, each a class
 // with its transfers and their state table: direct (DirectProtocol.h: the sender's copy engine

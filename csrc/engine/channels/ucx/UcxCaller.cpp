@@ -7,6 +7,7 @@
 
 #include "engine/Log.h"
 #include "engine/channels/ucx/UcxChannel.h"
+#include "engine/channels/ucx/UcxChannelOp.h"
 
 namespace smfree::engine {
 

@@ -2,6 +2,7 @@
 // endpoints to peers' receive lanes and whether CUDA buffers toward a peer go through host
 // memory, and its figures.
 #include "engine/channels/ucx/UcxChannel.h"
+#include "engine/channels/ucx/UcxChannelOp.h"
 
 #include <thread>
 

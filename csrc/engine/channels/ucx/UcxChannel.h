@@ -13,7 +13,6 @@
 #include "engine/ProgressThread.h"
 #include "engine/Spin.h"
 #include "engine/channels/ucx/HostStaging.h"
-#include "engine/channels/ucx/UcxChannelOp.h"
 #include "engine/channels/ucx/UcxReceiveLane.h"
 #include "engine/cuda/FlagSegment.h"
 #include "engine/transports/ucx/UcxContext.h"
@@ -21,6 +20,8 @@
 #include "engine/transports/ucx/UcxWorker.h"
 
 namespace smfree::engine {
+
+class UcxChannelOp;
 
 // Moves bytes with UCX tag send/recv straight between the users' buffers, host or CUDA. Sends
 // go out through the engine's worker, to the peer's receive lane (UcxReceiveLane), where recvs

@@ -3,6 +3,7 @@
 
 
 #include "engine/Error.h"
+#include "engine/channels/ucx/UcxChannelOp.h"
 #include "engine/channels/ucx/UcxMovement.h"
 #include "engine/cuda/CudaDriver.h"
 

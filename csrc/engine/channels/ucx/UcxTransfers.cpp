@@ -6,6 +6,7 @@
 
 #include "engine/Error.h"
 #include "engine/PeerValue.h"
+#include "engine/channels/ucx/UcxChannelOp.h"
 #include "engine/channels/ucx/UcxMovement.h"
 #include "engine/cuda/CudaDriver.h"
 #include "engine/transports/ucx/UcxStatus.h"
