@@ -2,6 +2,7 @@
 // tag in posting order, bytes moved at the later post, ends told only to started ops, mismatches,
 // an op that ends unpaired leaving its line, and ended ops let go of.
 
+#include <chrono>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -29,6 +30,9 @@ struct Loopback {
       std::make_shared<const GroupConfig>(GroupConfig{"pp", 3, 4});
   uint64_t nextId = 1;
 
+  // The group timeout each op is posted with.
+  std::chrono::milliseconds timeout{60000};
+
   std::shared_ptr<Op> post(OpKind kind, int tag, std::vector<float>& data,
                            uint64_t groupId = 1) {
     auto op = std::make_shared<Op>();
@@ -42,7 +46,7 @@ struct Loopback {
     op->request.buffer = Buffer{data.data(), data.size() * sizeof(float)};
     op->request.desc = TensorDesc{data.size() * sizeof(float), "float32", "cpu",
                                   {static_cast<int64_t>(data.size())}};
-    halves[op->id] = pairing.post(*op);
+    halves[op->id] = pairing.post(*op, timeout);
     return op;
   }
   // As the engine starts an op (Rendezvous::startOp) and then drives the channel.
@@ -134,6 +138,23 @@ TEST(loopbackEndedUnpairedLeavesItsLine, "loopback: an op that ends unpaired lea
   CHECK(got[0] == 3 && lost[0] == -1);
   CHECK(loopback.succeeded(send) && loopback.succeeded(recv));
   CHECK(loopback.ended.count(expired->id) == 0);  // its end was the engine's, not reported
+}
+
+TEST(loopbackPastItsDeadlineIsNotPaired,
+     "loopback: an op past its group timeout, not yet failed, is no partner for a later post") {
+  Loopback loopback;
+  std::vector<float> stale(2, 0);
+  loopback.timeout = std::chrono::milliseconds(0);
+  auto expired = loopback.recv(0, stale);  // the progress thread has yet to fail it
+  loopback.timeout = std::chrono::milliseconds(60000);
+  std::vector<float> mine{5, 6};
+  std::vector<float> got(2, 0);
+  loopback.send(0, mine);
+  loopback.recv(0, got);
+  CHECK(got == mine);
+  CHECK(stale == std::vector<float>(2, 0));
+  loopback.pairing.ended(*expired);  // as the engine's end of the failed op does
+  CHECK(loopback.ended.count(expired->id) == 0);
 }
 
 TEST(loopbackZeroBytes, "loopback: empty tensors pair and succeed") {

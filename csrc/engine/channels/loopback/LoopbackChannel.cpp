@@ -4,8 +4,8 @@
 
 namespace smfree::engine {
 
-std::shared_ptr<ChannelOp> LoopbackChannel::prepare(Op& op, const PostOptions&) {
-  return std::make_shared<LoopbackChannelOp>(pairing_, pairing_.post(op));
+std::shared_ptr<ChannelOp> LoopbackChannel::prepare(Op& op, const PostOptions& options) {
+  return std::make_shared<LoopbackChannelOp>(pairing_, pairing_.post(op, options.timeout));
 }
 
 Progress LoopbackChannel::progress() {

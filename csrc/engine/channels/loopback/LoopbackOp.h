@@ -28,6 +28,10 @@ struct LoopbackOp {
   // A CUDA op: its stream as it was at its post, which the copy waits for if its partner
   // comes later.
   std::shared_ptr<cuda::Event> posted;
+  // Its group timeout from its post: past it, the progress thread fails it. It tells its
+  // caller so before it leaves its line (LoopbackPairing::ended), so a later post must not
+  // pair with it meanwhile.
+  Clock::time_point deadline = Clock::time_point::max();
   // Recorded after the copy of a CUDA pair with bytes: what the waiting stream waits for.
   std::shared_ptr<cuda::Event> copied;
   // Its copy is queued, done or failed, or the op ended: its wait() may return.

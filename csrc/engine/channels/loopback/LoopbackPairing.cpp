@@ -20,8 +20,10 @@ std::shared_ptr<cuda::Event> eventFor(const LoopbackOp& half, int device) {
 
 }  // namespace
 
-std::shared_ptr<LoopbackOp> LoopbackPairing::post(Op& op) {
+std::shared_ptr<LoopbackOp> LoopbackPairing::post(Op& op, std::chrono::milliseconds timeout) {
   auto half = std::make_shared<LoopbackOp>();
+  // Not later than the op's own deadline, which Group sets once this returns.
+  half->deadline = Clock::now() + timeout;
   half->op = op.shared_from_this();
   half->keepalive = op.request.keepalive;
   if (op.request.capture) half->capture = op.request.capture->id;
@@ -47,6 +49,7 @@ std::shared_ptr<LoopbackOp> LoopbackPairing::pairOrQueue(
     const std::shared_ptr<LoopbackOp>& half) {
   const Op& op = *half->op;
   Lines& opposite = op.isSend() ? recvs_ : sends_;
+  dropExpired(opposite, lineOf(op));
   if (auto it = opposite.find(lineOf(op)); it != opposite.end()) {
     std::shared_ptr<LoopbackOp> earlier = std::move(it->second.front());
     it->second.pop_front();
@@ -64,6 +67,15 @@ std::shared_ptr<LoopbackOp> LoopbackPairing::pairOrQueue(
   }
   (op.isSend() ? sends_ : recvs_)[lineOf(op)].push_back(half);
   return nullptr;
+}
+
+void LoopbackPairing::dropExpired(Lines& lines, const Line& line) {
+  auto it = lines.find(line);
+  if (it == lines.end()) return;
+  const Clock::time_point now = Clock::now();
+  std::deque<std::shared_ptr<LoopbackOp>>& queue = it->second;
+  while (!queue.empty() && queue.front()->deadline <= now) queue.pop_front();
+  if (queue.empty()) lines.erase(it);
 }
 
 void LoopbackPairing::exchange(LoopbackOp& send, LoopbackOp& recv, const LoopbackOp& earlier,

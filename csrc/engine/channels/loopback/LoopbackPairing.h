@@ -1,6 +1,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <deque>
 #include <map>
@@ -47,7 +48,7 @@ class LoopbackPairing {
   // Caller's thread, at the post of any op to the rank itself: pairs it and moves the bytes,
   // or queues it in its line. Throws Error, having queued nothing, if its stream cannot be
   // recorded.
-  std::shared_ptr<LoopbackOp> post(Op& op);
+  std::shared_ptr<LoopbackOp> post(Op& op, std::chrono::milliseconds timeout);
 
   // Progress thread. The engine ended the op (told, or failed): an unpaired op leaves its line.
   void ended(const Op& op);
@@ -67,6 +68,8 @@ class LoopbackPairing {
   // The oldest unpaired op opposite to `half` in its line, now paired with it; or null after
   // queueing `half`. Under mutex_.
   std::shared_ptr<LoopbackOp> pairOrQueue(const std::shared_ptr<LoopbackOp>& half);
+  // Takes out of the line's front the ops past their deadline: failing, or about to be.
+  static void dropExpired(Lines& lines, const Line& line);
   // Moves the pair's bytes, `later` being the op posted last; records the outcome if known.
   void exchange(LoopbackOp& send, LoopbackOp& recv, const LoopbackOp& earlier,
                 const LoopbackOp& later);
