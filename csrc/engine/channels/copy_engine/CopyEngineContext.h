@@ -24,6 +24,21 @@
 
 namespace smfree::engine {
 
+// A protocol's pass over its transfers: erases those `finish` says are done; true if any was.
+template <typename Transfers, typename Finish>
+bool eraseFinished(Transfers& transfers, Finish finish) {
+  bool any = false;
+  for (auto it = transfers.begin(); it != transfers.end();) {
+    if (finish(*it)) {
+      it = transfers.erase(it);
+      any = true;
+    } else {
+      ++it;
+    }
+  }
+  return any;
+}
+
 struct Peer;
 struct PeerAddress;
 

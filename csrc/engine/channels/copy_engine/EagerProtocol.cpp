@@ -186,24 +186,9 @@ bool EagerProtocol::emptyHeldSlots() {
 }
 
 bool EagerProtocol::progress() {
-  bool moved = false;
-  for (auto it = sends_.begin(); it != sends_.end();) {
-    if (finish(*it)) {
-      it = sends_.erase(it);
-      moved = true;
-    } else {
-      ++it;
-    }
-  }
-  for (auto it = recvs_.begin(); it != recvs_.end();) {
-    if (finish(*it)) {
-      it = recvs_.erase(it);
-      moved = true;
-    } else {
-      ++it;
-    }
-  }
-  return moved;
+  const auto finished = [this](auto& transfer) { return finish(transfer); };
+  const bool sent = eraseFinished(sends_, finished);
+  return eraseFinished(recvs_, finished) || sent;
 }
 
 bool EagerProtocol::fill(EagerSendTransfer& send) {

@@ -199,15 +199,7 @@ bool StagedProtocol::finish(StagedSend& send) {
 }
 
 bool StagedProtocol::progress() {
-  bool moved = false;
-  for (auto it = sends_.begin(); it != sends_.end();) {
-    if (finish(*it)) {
-      it = sends_.erase(it);
-      moved = true;
-    } else {
-      ++it;
-    }
-  }
+  bool moved = eraseFinished(sends_, [this](auto& transfer) { return finish(transfer); });
   for (auto it = recvs_.begin(); it != recvs_.end();) {
     const std::optional<bool> copied = context_.recvLanded(*it->op);
     if (!copied) {
