@@ -1,7 +1,7 @@
 """The data channels a P2P test runs over, as pytest parameters.
 
 CPU tensors always go over UCX; CUDA tensors go over the copy engines or over UCX
-(SMFREE_TRANSPORT), and over UCX also with TCP alone (UCX_TLS=tcp,cuda_copy, as between hosts
+(SMFREE_CHANNEL), and over UCX also with TCP alone (UCX_TLS=tcp,cuda_copy, as between hosts
 without GPUDirect RDMA: smfree then stages through pinned host memory). Each channel sets its
 ranks' environment itself, so one pytest run covers them all; the CUDA ones need a GPU (marked
 gpu, skipped elsewhere), which ranks share where there are fewer GPUs than ranks.
@@ -24,10 +24,10 @@ class Channel:
 
     @property
     def over_ucx(self) -> bool:
-        return self.env.get("SMFREE_TRANSPORT") != "copy_engine"
+        return self.env.get("SMFREE_CHANNEL") != "copy_engine"
 
     @property
-    def host_staged(self) -> bool:
+    def host_relayed(self) -> bool:
         """CUDA tensors cross pinned host memory: UCX reaches the peer over TCP only."""
         return self.cuda and "tcp" in self.env.get("UCX_TLS", "").split(",")
 
@@ -38,10 +38,10 @@ class Channel:
 
 
 CPU_UCX = Channel("cpu-ucx", cuda=False)
-COPY_ENGINE = Channel("cuda-copy_engine", cuda=True, env={"SMFREE_TRANSPORT": "copy_engine"})
-CUDA_UCX = Channel("cuda-ucx", cuda=True, env={"SMFREE_TRANSPORT": "ucx"})
+COPY_ENGINE = Channel("cuda-copy_engine", cuda=True, env={"SMFREE_CHANNEL": "copy_engine"})
+CUDA_UCX = Channel("cuda-ucx", cuda=True, env={"SMFREE_CHANNEL": "ucx"})
 CUDA_UCX_TCP = Channel("cuda-ucx-tcp", cuda=True,
-                       env={"SMFREE_TRANSPORT": "ucx", "UCX_TLS": "tcp,cuda_copy"})
+                       env={"SMFREE_CHANNEL": "ucx", "UCX_TLS": "tcp,cuda_copy"})
 
 
 def params(*channels):

@@ -47,7 +47,7 @@ class Channels {
     Channel& channel = of(kind);
     if (channel.declares(Capability::kNotices)) channel.onNotice(notice);
   }
-  // Destroys them in reverse: UCX before the copy engines, its receive lane after its
+  // Destroys them in reverse: UCX before the copy engines, its receive worker after its
   // endpoints' flushes.
   void reset() {
     for (auto it = all_.rbegin(); it != all_.rend(); ++it) it->reset();

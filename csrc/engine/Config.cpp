@@ -10,12 +10,19 @@
 namespace smfree::engine {
 namespace {
 
-Transport parseTransport(const char* text) {
+// A setting renamed: refused under its old name, so that a job's old spelling is not ignored.
+void refuseRenamed(const char* old, const char* now) {
+  if (const char* value = std::getenv(old)) {
+    fail(old, "='", value, "' is no longer read: set ", now, " instead (same values)");
+  }
+}
+
+CudaChannel parseCudaChannel(const char* text) {
   const std::string value = text && *text ? text : "auto";
-  if (value == "auto") return Transport::kAuto;
-  if (value == "copy_engine") return Transport::kCopyEngine;
-  if (value == "ucx") return Transport::kUcx;
-  fail("SMFREE_TRANSPORT='", value, "' is not one of auto, copy_engine, ucx");
+  if (value == "auto") return CudaChannel::kAuto;
+  if (value == "copy_engine") return CudaChannel::kCopyEngine;
+  if (value == "ucx") return CudaChannel::kUcx;
+  fail("SMFREE_CHANNEL='", value, "' is not one of auto, copy_engine, ucx");
 }
 
 cuda::LocalCopies parseLocalCopies(const char* text) {
@@ -78,7 +85,9 @@ Config Config::fromEnv() {
   }
   constexpr long kMostCudaOps = (cuda::FlagSegment::kWords - kStagingFlagWords) / kFlagsPerCudaOp;
   config.maxCudaOps = parseBetween("SMFREE_MAX_CUDA_OPS", 1024, 1, kMostCudaOps);
-  config.transport = parseTransport(std::getenv("SMFREE_TRANSPORT"));
+  refuseRenamed("SMFREE_TRANSPORT", "SMFREE_CHANNEL");
+  refuseRenamed("SMFREE_HOST_STAGING_PIECE_BYTES", "SMFREE_RELAY_PIECE_BYTES");
+  config.cudaChannel = parseCudaChannel(std::getenv("SMFREE_CHANNEL"));
   config.localCopies = parseLocalCopies(std::getenv("SMFREE_LOCAL_COPIES"));
   // A staged send's copy out of its slot is a copy within one GPU: on the driver's copies it
   // saves the sender's copy engine a wait, bounced it costs two hops more than that wait.
@@ -91,8 +100,8 @@ Config Config::fromEnv() {
   config.collectiveLanes = lanes == 1;
   config.ringMemoryBytes =
       static_cast<uint64_t>(parseNonNegative("SMFREE_RING_MEMORY_BYTES", 1l << 30));
-  config.hostStagingPieceBytes =
-      static_cast<uint64_t>(parseNonNegative("SMFREE_HOST_STAGING_PIECE_BYTES", 4 << 20));
+  config.relayPieceBytes =
+      static_cast<uint64_t>(parseNonNegative("SMFREE_RELAY_PIECE_BYTES", 4 << 20));
   return config;
 }
 

@@ -9,8 +9,8 @@
 
 namespace smfree::engine {
 
-// Which data channel carries CUDA tensors (SMFREE_TRANSPORT). CPU tensors always go over UCX.
-enum class Transport {
+// Which data channel carries CUDA tensors (SMFREE_CHANNEL). CPU tensors always go over UCX.
+enum class CudaChannel {
   kAuto,        // copy engines to ranks on this host, UCX to ranks on other hosts
   kCopyEngine,  // copy engines only: CUDA ops with ranks on other hosts are refused
   kUcx,         // UCX for every CUDA op, also on this host (the cross-host path, tested locally)
@@ -37,7 +37,7 @@ struct Config {
   size_t ipcCacheSize;
   // Most CUDA ops a process keeps in flight before a new one waits (SMFREE_MAX_CUDA_OPS).
   size_t maxCudaOps;
-  Transport transport;
+  CudaChannel cudaChannel;
   // How copies within one GPU run (SMFREE_LOCAL_COPIES): copy-engine hops through a peer
   // GPU's memory (the default) or pinned host memory, or the driver's (SMs on CUDA 13.0 drivers).
   cuda::LocalCopies localCopies;
@@ -55,8 +55,8 @@ struct Config {
   // (SMFREE_RING_MEMORY_BYTES); a ring beyond it is not made and its sends go by rendezvous.
   uint64_t ringMemoryBytes;
   // Size of the pieces in which CUDA tensors cross pinned host memory toward peers UCX reaches
-  // over TCP only (SMFREE_HOST_STAGING_PIECE_BYTES); 0 moves each tensor in one piece.
-  uint64_t hostStagingPieceBytes;
+  // over TCP only (SMFREE_RELAY_PIECE_BYTES); 0 moves each tensor in one piece.
+  uint64_t relayPieceBytes;
 
   static Config fromEnv();
 };

@@ -58,12 +58,12 @@ Engine::Engine(Private)
   cuda::setLocalCopies(config_.localCopies);
   log(LogLevel::kInfo, "copies within one GPU: ", cuda::describe(config_.localCopies));
   const Channel::Done onDone = [this](const std::shared_ptr<Op>& op, const Status& status) {
-    rendezvous_->onTransferDone(op, status);
+    opControl_->onTransferDone(op, status);
   };
   // UCX's admission hook holds ops back and starts them again here (Channel::admit).
   auto ucx = std::make_unique<UcxChannel>(
       *ucx_, *worker_, *cudaOps_, thread_, config_, spin_, onDone,
-      [this](const std::shared_ptr<Op>& op) { rendezvous_->startOp(op); });
+      [this](const std::shared_ptr<Op>& op) { opControl_->startOp(op); });
   local_ = PeerAddress::local(worker_->address(), ucx->receiveAddress(),
                               cudaOps_->flags().ref());
   auto copyEngine = std::make_unique<CopyEngineChannel>(
@@ -90,9 +90,9 @@ Engine::Engine(Private)
       local_, *worker_, *control_, *channels_, failures_, thread_,
       PeerTable::Silence{config_.peerCheck, ucxCutLinkUnnoticed(config_.linkTimeout)},
       [this](Peer& peer, const std::string& why) { onPeerFailure(peer, why); });
-  rendezvous_ = std::make_unique<Rendezvous>(*channels_, *peers_, failures_, thread_);
+  opControl_ = std::make_unique<OpControl>(*channels_, *peers_, failures_, thread_);
   loop_ = std::make_unique<ProgressLoop>(spin_, *worker_, *control_, *channels_, *peers_,
-                                         *rendezvous_, *cudaOps_, thread_);
+                                         *opControl_, *cudaOps_, thread_);
   log(LogLevel::kInfo, "engine started on host ", local_.hostname);
 }
 
@@ -100,7 +100,7 @@ Engine::~Engine() {
   loop_->stop();
   flushPeers(exitDeadline());
   // The progress thread is gone: finish what is left from here, held ops too.
-  rendezvous_->shutDown();
+  opControl_->shutDown();
   peers_->clear();
   channels_->reset();
   control_.reset();
@@ -128,7 +128,7 @@ std::shared_ptr<Group> Engine::joinGroup(GroupConfig config, std::shared_ptr<Key
   // Registered before it is published: a peer that reads the address may send at once, and
   // until then this engine drops messages for the name's previous group, closed but still known.
   loop_->call<void>(
-      [this, shared] { rendezvous_->registerGroup(shared); },
+      [this, shared] { opControl_->registerGroup(shared); },
       timeout, "registering the group");
   auto group = std::make_shared<Group>(shared_from_this(), shared, store, timeout);
   store->set(addressKey(shared->rank), local_.encode());  // on failure, ~Group closes it
@@ -143,14 +143,14 @@ PeerRoute Engine::connect(uint64_t groupId, int rank, const PeerAddress& address
 }
 
 void Engine::post(std::shared_ptr<Op> op) {
-  loop_->submit([this, op = std::move(op)] { rendezvous_->startOp(op); });
+  loop_->submit([this, op = std::move(op)] { opControl_->startOp(op); });
 }
 
 void Engine::awaitReleasedOps(std::optional<uint64_t> groupId, Clock::time_point deadline) {
   size_t left = 0;
   while (true) {
     left = loop_->call<size_t>(
-        [this, groupId] { return rendezvous_->releasedOpsInFlight(groupId); },
+        [this, groupId] { return opControl_->releasedOpsInFlight(groupId); },
         std::chrono::seconds(10), "counting ops in flight");
     if (left == 0 || Clock::now() >= deadline) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -164,19 +164,19 @@ void Engine::awaitReleasedOps(std::optional<uint64_t> groupId, Clock::time_point
 
 void Engine::closeGroup(uint64_t groupId, StatusCode code, const std::string& reason) {
   loop_->call<void>([this, groupId, code, reason] {
-    rendezvous_->closeGroup(groupId, code, reason);
+    opControl_->closeGroup(groupId, code, reason);
   }, std::chrono::seconds(60), "closing the group");
 }
 
 std::string Engine::dumpPending(uint64_t groupId) {
-  return loop_->call<std::string>([this, groupId] { return rendezvous_->dumpPending(groupId); },
+  return loop_->call<std::string>([this, groupId] { return opControl_->dumpPending(groupId); },
                                   std::chrono::seconds(10), "dumping pending ops");
 }
 
 std::map<std::string, int64_t> Engine::stats() {
   return loop_->call<std::map<std::string, int64_t>>([this] {
     std::map<std::string, int64_t> stats{
-        {"live_ops", static_cast<int64_t>(rendezvous_->liveOps())},
+        {"live_ops", static_cast<int64_t>(opControl_->liveOps())},
         {"flag_words_in_use", static_cast<int64_t>(cudaOps_->flags().inUse())}};
     ChannelReport report;
     channels_->forEach([&](Channel& channel) { channel.report(report); });
@@ -187,7 +187,7 @@ std::map<std::string, int64_t> Engine::stats() {
 
 PeerRoute Engine::attachPeer(uint64_t groupId, int rank, const PeerAddress& address) {
   thread_.check("Engine::attachPeer");
-  GroupState* group = rendezvous_->findGroup(groupId);
+  GroupState* group = opControl_->findGroup(groupId);
   if (!group || group->closed) {
     fail("group is closed");
   }
@@ -218,10 +218,10 @@ void Engine::onControlMessage(const void* data, size_t length) {
   std::visit(
       [this, sender](const auto& message) {
         using T = std::decay_t<decltype(message)>;
-        if constexpr (std::is_same_v<T, ReadyToSend>) rendezvous_->onReadyToSend(message);
-        if constexpr (std::is_same_v<T, ClearToSend>) rendezvous_->onClearToSend(message);
-        if constexpr (std::is_same_v<T, Refusal>) rendezvous_->onRefusal(message);
-        if constexpr (std::is_same_v<T, Cancellation>) rendezvous_->onCancellation(message);
+        if constexpr (std::is_same_v<T, ReadyToSend>) opControl_->onReadyToSend(message);
+        if constexpr (std::is_same_v<T, ClearToSend>) opControl_->onClearToSend(message);
+        if constexpr (std::is_same_v<T, Refusal>) opControl_->onRefusal(message);
+        if constexpr (std::is_same_v<T, Cancellation>) opControl_->onCancellation(message);
         if constexpr (std::is_same_v<T, MemoryReleased>) {
           channels_->notify(ChannelKind::kCopyEngine, MemoryFreed{message.owner, message.ids});
         }
@@ -231,7 +231,7 @@ void Engine::onControlMessage(const void* data, size_t length) {
             try {
               channels_->notify(message.channel, PeerNotice{*sender, message.data});
             } catch (const BadPeerValue& error) {
-              rendezvous_->badValueFrom(*sender, error);
+              opControl_->badValueFrom(*sender, error);
             }
           }
         }
@@ -253,9 +253,9 @@ Peer* Engine::senderOf(const ControlMessage& message) {
         } else if constexpr (std::is_same_v<T, ChannelNotice> || std::is_same_v<T, Probe>) {
           return peers_->find(m.sender);
         } else if constexpr (std::is_same_v<T, ClearToSend> || std::is_same_v<T, Refusal>) {
-          return rendezvous_->peerOf(m.group, m.receiver);
+          return opControl_->peerOf(m.group, m.receiver);
         } else {
-          return rendezvous_->peerOf(m.group, m.source);
+          return opControl_->peerOf(m.group, m.source);
         }
       },
       message);
@@ -267,7 +267,7 @@ void Engine::sendToLive(const std::string& key, const ControlMessage& message) {
 }
 
 void Engine::onPeerFailure(Peer& peer, const std::string& why) {
-  rendezvous_->peerFailed(peer, why);
+  opControl_->peerFailed(peer, why);
   channels_->forEach([&](Channel& channel) { channel.peerFailed(peer); });
 }
 

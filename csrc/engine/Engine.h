@@ -19,7 +19,7 @@
 #include "engine/PeerTable.h"
 #include "engine/ProgressLoop.h"
 #include "engine/ProgressThread.h"
-#include "engine/Rendezvous.h"
+#include "engine/OpControl.h"
 #include "engine/Spin.h"
 #include "engine/Store.h"
 #include "engine/Wire.h"
@@ -32,7 +32,7 @@ class UcxContext;
 class UcxWorker;
 
 // One per process, shared by every group: the UCX worker and control transport, the data
-// channels, the peer table, the rendezvous and the progress loop that drives them. Its
+// channels, the peer table, the op control and the progress loop that drives them. Its
 // methods are for any thread; they reach the progress thread's state through the loop.
 class Engine : public GroupEngine, public std::enable_shared_from_this<Engine> {
   struct Private {};
@@ -95,7 +95,7 @@ class Engine : public GroupEngine, public std::enable_shared_from_this<Engine> {
   std::unique_ptr<UcxControl> control_;
   Failures failures_;
   std::unique_ptr<PeerTable> peers_;
-  std::unique_ptr<Rendezvous> rendezvous_;
+  std::unique_ptr<OpControl> opControl_;
   std::unique_ptr<ProgressLoop> loop_;  // last: its thread starts once the rest is in place
   std::atomic<uint64_t> nextOpId_{1};
 };

@@ -43,10 +43,10 @@ Group::Group(std::shared_ptr<GroupEngine> engine, std::shared_ptr<const GroupCon
       connected_(std::make_unique<std::atomic<bool>[]>(config_->size)),
       addresses_(config_->size),
       sameHost_(std::make_unique<std::atomic<bool>[]>(config_->size)),
-      stagesCuda_(std::make_unique<std::atomic<bool>[]>(config_->size)) {
+      relaysCuda_(std::make_unique<std::atomic<bool>[]>(config_->size)) {
   for (int rank = 0; rank < config_->size; ++rank) {
     connected_[rank] = false;
-    stagesCuda_[rank] = false;
+    relaysCuda_[rank] = false;
     sameHost_[rank] = rank == config_->rank;
   }
 }
@@ -84,7 +84,7 @@ void Group::connect(int rank) {
          "in the group's store under '", addressKey(rank), "' is unusable: ", reasonOf(error));
   }
   const PeerRoute route = engine_->connect(id_, rank, address, timeout());
-  stagesCuda_[rank] = route.stagedThroughHost;
+  relaysCuda_[rank] = route.relaysThroughHost;
   {
     std::lock_guard<std::mutex> lock(keysMutex_);
     if (addresses_[rank].processKey.empty()) addresses_[rank] = address;
@@ -108,10 +108,10 @@ void Group::checkCapture(OpRequest& request) const {
     fail("a CUDA recv from any source cannot be captured in a CUDA graph: a graph's copies are "
          "fixed at capture, and its sender is known only once it matches; name the source rank");
   }
-  if (engine_->config().transport == Transport::kUcx) {
-    fail("CUDA ops over UCX (SMFREE_TRANSPORT=ucx) cannot be captured in a CUDA graph: UCX "
+  if (engine_->config().cudaChannel == CudaChannel::kUcx) {
+    fail("CUDA ops over UCX (SMFREE_CHANNEL=ucx) cannot be captured in a CUDA graph: UCX "
          "moves the bytes outside CUDA's stream order; captured ops use the copy engines "
-         "(SMFREE_TRANSPORT=auto or copy_engine)");
+         "(SMFREE_CHANNEL=auto or copy_engine)");
   }
   if (!sameHost_[peer]) {
     fail("CUDA ops with rank ", peer, ", on another host, cannot be captured in a CUDA graph: "
@@ -142,7 +142,7 @@ std::optional<OpFence> Group::post(OpRequest request) {
   Channel& channel = engine_->channel(op->channel);
   PostOptions options{timeout(), {}, {}, placeKnown};
   if (onCuda && peer != kAnySource) {
-    options.route.stagedThroughHost = stagesCuda_[peer];
+    options.route.relaysThroughHost = relaysCuda_[peer];
     std::lock_guard<std::mutex> lock(keysMutex_);
     options.peerKey = addresses_[peer].processKey;
     options.peer = &addresses_[peer];
@@ -197,12 +197,12 @@ void Group::unnumber(const Op& op) {
 }
 
 ChannelKind Group::cudaChannel(int peer) const {
-  switch (engine_->config().transport) {
-    case Transport::kCopyEngine:
+  switch (engine_->config().cudaChannel) {
+    case CudaChannel::kCopyEngine:
       return ChannelKind::kCopyEngine;
-    case Transport::kUcx:
+    case CudaChannel::kUcx:
       return ChannelKind::kUcx;
-    case Transport::kAuto:
+    case CudaChannel::kAuto:
       break;
   }
   if (peer != kAnySource) {
@@ -217,7 +217,7 @@ ChannelKind Group::cudaChannel(int peer) const {
   if (local && remote) {
     fail("a CUDA recv from any source in group '", config_->name,
          "', whose ranks span hosts, cannot choose between copy engines and UCX before it "
-         "matches: name the source rank, or set SMFREE_TRANSPORT=ucx");
+         "matches: name the source rank, or set SMFREE_CHANNEL=ucx");
   }
   return local ? ChannelKind::kCopyEngine : ChannelKind::kUcx;
 }

@@ -40,7 +40,7 @@ class Group {
   ChannelKind cudaChannel(int peer) const;
   // At a CUDA op's call: sets request.capture to the CUDA graph capture its stream takes part
   // in, if any. Throws Error if the op cannot be captured (a recv from any source, a peer on
-  // another host, SMFREE_TRANSPORT=ucx; an op to the rank itself always can) or the stream's
+  // another host, SMFREE_CHANNEL=ucx; an op to the rank itself always can) or the stream's
   // capture is unusable.
   void checkCapture(OpRequest& request) const;
   // Never blocks on the transfer; `request.onComplete` reports the outcome. For a CUDA op it
@@ -104,7 +104,7 @@ class Group {
   // By rank, once connected; written once, so a post may point at one (PostOptions::peer).
   std::vector<PeerAddress> addresses_;
   std::unique_ptr<std::atomic<bool>[]> sameHost_;  // by rank, written before connected_
-  std::unique_ptr<std::atomic<bool>[]> stagesCuda_;  // by rank, written before connected_
+  std::unique_ptr<std::atomic<bool>[]> relaysCuda_;  // by rank, written before connected_
   std::atomic<bool> closed_{false};
   // Posts are numbered here, on the callers' threads, so that a channel knows at the post
   // which message of its (peer, tag) line an op is: the n-th send to a (rank, tag) meets the

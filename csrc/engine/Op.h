@@ -60,10 +60,10 @@ struct OpRequest {
 struct GroupConfig;
 class ChannelOp;
 
-// An op's life on the progress thread, in order; Rendezvous::transition() is the one place
+// An op's life on the progress thread, in order; OpControl::transition() is the one place
 // it changes, and only forward.
 enum class OpState : uint8_t {
-  kPosted,    // handed to the progress thread, not started (or held back, see Rendezvous)
+  kPosted,    // handed to the progress thread, not started (or held back, see OpControl)
   kWaiting,   // send: announced, waiting for its clear-to-send; recv: waiting for a match
   kMoving,    // a channel moves the bytes
   kEnded,     // the caller was told the outcome; a channel may still hold the buffer

@@ -19,7 +19,7 @@ struct PeerAddress {
   int pid = 0;
   cuda::FlagSegmentRef flagSegment;  // how same-host peers take this process's CUDA flags
   std::vector<uint8_t> workerAddress;         // the engine's: control messages, sends
-  std::vector<uint8_t> receiveWorkerAddress;  // its receive lane's: where data is sent
+  std::vector<uint8_t> receiveWorkerAddress;  // its receive worker's: where data is sent
 
   std::string describe() const;  // "pid 123 on host node7"
   std::vector<uint8_t> encode() const;

@@ -4,7 +4,7 @@
 
 #include "engine/Log.h"
 #include "engine/PeerTable.h"
-#include "engine/Rendezvous.h"
+#include "engine/OpControl.h"
 #include "engine/cuda/Capture.h"
 #include "engine/cuda/CudaDriver.h"
 #include "engine/transports/ucx/UcxControl.h"
@@ -29,14 +29,14 @@ constexpr timespec kMemoryWatchNap{0, 20'000};
 }  // namespace
 
 ProgressLoop::ProgressLoop(const Spin& spin, UcxWorker& worker, UcxControl& control,
-                           Channels& channels, PeerTable& peers, Rendezvous& rendezvous,
+                           Channels& channels, PeerTable& peers, OpControl& opControl,
                            CudaOps& cudaOps, ProgressThread& thread)
     : spin_(spin),
       worker_(worker),
       control_(control),
       channels_(channels),
       peers_(peers),
-      rendezvous_(rendezvous),
+      opControl_(opControl),
       cudaOps_(cudaOps),
       thread_(thread),
       progress_([this] { run(); }) {
@@ -120,8 +120,8 @@ bool ProgressLoop::turn(Clocks& clocks, cuda::CurrentContext& channelContext) {
     cuda::relaxOnceCudaIsLoaded();
     peers_.check();
     cudaOps_.recycle();
-    rendezvous_.probeSilentPeers(now);
-    rendezvous_.expireOps(now);
+    opControl_.probeSilentPeers(now);
+    opControl_.expireOps(now);
   }
   if (now - clocks.sweep >= kExportSweepInterval) {
     clocks.sweep = now;
@@ -129,7 +129,7 @@ bool ProgressLoop::turn(Clocks& clocks, cuda::CurrentContext& channelContext) {
   }
   // Polling serves callers waiting on this thread; ops whose wait() returns at once (eager
   // sends, collective lanes' pieces) keep no thread awake for themselves.
-  if (rendezvous_.opsAwaitingProgress() > 0) clocks.awaited = now;
+  if (opControl_.opsAwaitingProgress() > 0) clocks.awaited = now;
   const bool polling = now - clocks.activity < spin_.get() && now - clocks.awaited < spin_.get();
   if (polling || !worker_.arm()) {
     return true;

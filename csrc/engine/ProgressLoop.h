@@ -20,7 +20,7 @@
 namespace smfree::engine {
 
 class PeerTable;
-class Rendezvous;
+class OpControl;
 class UcxControl;
 class UcxWorker;
 
@@ -30,7 +30,7 @@ class UcxWorker;
 class ProgressLoop {
  public:
   ProgressLoop(const Spin& spin, UcxWorker& worker, UcxControl& control, Channels& channels,
-               PeerTable& peers, Rendezvous& rendezvous, CudaOps& cudaOps,
+               PeerTable& peers, OpControl& opControl, CudaOps& cudaOps,
                ProgressThread& thread);
   ~ProgressLoop() { stop(); }
   ProgressLoop(const ProgressLoop&) = delete;
@@ -69,7 +69,7 @@ class ProgressLoop {
   UcxControl& control_;
   Channels& channels_;
   PeerTable& peers_;
-  Rendezvous& rendezvous_;
+  OpControl& opControl_;
   CudaOps& cudaOps_;
   ProgressThread& thread_;
 

@@ -8,7 +8,7 @@
 
 namespace smfree::engine {
 
-// How long the engine's polling threads (the progress thread, the UCX receive lane's) and a
+// How long the engine's polling threads (the progress thread, the UCX receive worker's) and a
 // CUDA wait() poll after their last event before they sleep (docs/design.md, Threads).
 // Spinning pays only where each polling thread of the host's ranks has a CPU to spin on, so
 // unless SMFREE_SPIN_US chose, it stops where they outnumber this process's CPUs. The host's

@@ -137,7 +137,7 @@ class Reader {
 
 // What a field's type leaves open, and needs no group to check: ranks are not negative, a
 // refusal refuses. Ranks against their group's size, op ids against their kind and partner:
-// Rendezvous, which knows both.
+// OpControl, which knows both.
 constexpr uint64_t kRanks = uint64_t{1} << 31;
 void checkFields(const ReadyToSend& m) { checkBelow(m.kName, "source rank", m.source, kRanks); }
 void checkFields(const ClearToSend& m) {

@@ -10,7 +10,7 @@
 
 namespace smfree::engine {
 
-// Which data channel an op uses; both sides of a pair must agree (SMFREE_TRANSPORT). Same-host
+// Which data channel an op uses; both sides of a pair must agree (SMFREE_CHANNEL). Same-host
 // CUDA ops posted while their stream captures a CUDA graph take the captured channel. Ops to
 // the rank itself take the loopback channel, whose ops never meet a peer: it is never on the
 // wire (known() refuses it there).

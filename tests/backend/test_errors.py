@@ -79,16 +79,22 @@ def _exchange_one(rank, world):
     return got.tolist()
 
 
-@pytest.mark.parametrize("transport", ["auto", "copy_engine", "ucx"])
-def test_cpu_tensors_go_over_ucx_whatever_smfree_transport_says(transport):
-    results = run_ranks(_exchange_one, 2, env={"SMFREE_TRANSPORT": transport})
+@pytest.mark.parametrize("channel", ["auto", "copy_engine", "ucx"])
+def test_cpu_tensors_go_over_ucx_whatever_smfree_channel_says(channel):
+    results = run_ranks(_exchange_one, 2, env={"SMFREE_CHANNEL": channel})
     assert results == [[1.0] * 8, [0.0] * 8]
 
 
-def test_unknown_smfree_transport_is_refused_naming_the_choices():
+def test_unknown_smfree_channel_is_refused_naming_the_choices():
     with pytest.raises(AssertionError,
-                       match=r"SMFREE_TRANSPORT='nvlink' is not one of auto, copy_engine, ucx"):
-        run_ranks(_exchange_one, 2, env={"SMFREE_TRANSPORT": "nvlink"})
+                       match=r"SMFREE_CHANNEL='nvlink' is not one of auto, copy_engine, ucx"):
+        run_ranks(_exchange_one, 2, env={"SMFREE_CHANNEL": "nvlink"})
+
+
+def test_the_old_name_smfree_transport_is_refused_naming_smfree_channel():
+    with pytest.raises(AssertionError, match=r"SMFREE_TRANSPORT='ucx' is no longer read: "
+                                             r"set SMFREE_CHANNEL instead"):
+        run_ranks(_exchange_one, 2, env={"SMFREE_TRANSPORT": "ucx"})
 
 
 def test_unknown_smfree_collectives_are_refused_at_init_naming_the_choices():

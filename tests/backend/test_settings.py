@@ -93,7 +93,7 @@ def test_spinning_where_each_polling_thread_has_a_cpu_or_the_user_chose(env):
     assert SPIN_NOTE not in engine_log(**env)
 
 
-@pytest.mark.parametrize("name", ["SMFREE_HOST_STAGING_PIECE_BYTES", "SMFREE_STAGING_BYTES",
+@pytest.mark.parametrize("name", ["SMFREE_RELAY_PIECE_BYTES", "SMFREE_STAGING_BYTES",
                                   "SMFREE_EAGER_BYTES", "SMFREE_SPIN_US",
                                   "SMFREE_EXIT_TIMEOUT_MS", "SMFREE_RING_MEMORY_BYTES"])
 @pytest.mark.parametrize("value", ["4M", "-1"])

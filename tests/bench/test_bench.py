@@ -96,9 +96,9 @@ def test_alltoall_shows_the_counters_of_memory_and_mappings():
     from smfree_pg.bench.alltoall import memory_stats
 
     stats = {"live_ops": 0, "ipc_mappings": 7, "ring_bytes": 1 << 26, "staging_rings": 3,
-             "eager_sends": 5, "ucx_host_staging_cached_bytes": 0}
+             "eager_sends": 5, "ucx_relay_cached_bytes": 0}
     assert memory_stats(stats) == {"ipc_mappings": 7, "ring_bytes": 1 << 26, "staging_rings": 3,
-                                   "ucx_host_staging_cached_bytes": 0}
+                                   "ucx_relay_cached_bytes": 0}
 
 
 def test_collectives_options_parse_and_are_checked(capsys):

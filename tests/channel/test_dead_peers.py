@@ -233,8 +233,8 @@ def test_peer_killed_mid_transfer_fails_the_pending_recv(cuda_channel):
     assert error and "its peer process" in error, error
     # Staged through host memory, the recv is parked: wait() returns before the bytes come,
     # and the failure refuses the next call on the group.
-    assert returned == cuda_channel.host_staged, error
-    if cuda_channel.host_staged:
+    assert returned == cuda_channel.host_relayed, error
+    if cuda_channel.host_relayed:
         assert "failed after its wait() returned, so its tensor holds wrong bytes" in error, error
         assert "smfree: recv on rank 0 from any rank" in error, error
     assert waited < 60

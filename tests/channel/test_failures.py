@@ -145,8 +145,8 @@ def test_cpu_send_into_cuda_recv_fails_on_both_ranks(cuda_channel):
 @pytest.mark.gpu
 def test_ranks_on_different_transports_fail_on_both_ranks():
     errors = run_ranks(_send_once, 2, True, cuda=True, group_timeout_s=30,
-                       rank_env={0: {"SMFREE_TRANSPORT": "ucx"},
-                                 1: {"SMFREE_TRANSPORT": "copy_engine"}})
+                       rank_env={0: {"SMFREE_CHANNEL": "ucx"},
+                                 1: {"SMFREE_CHANNEL": "copy_engine"}})
     for error in errors:
         assert error and "channel mismatch" in error, error
         assert "over UCX" in error and "over the copy engines" in error, error

@@ -43,7 +43,7 @@ def test_stream_semantics_of_send_and_recv(cuda_channel):
     assert after == 42.0, "data sent before the producer finished, or not received"
     # Over UCX a send's wait() returns on the CPU once it has ended, unless UCX moves it from
     # pinned host memory: then, as on the copy engines, once its copy out is queued.
-    if not cuda_channel.over_ucx or cuda_channel.host_staged:
+    if not cuda_channel.over_ucx or cuda_channel.host_relayed:
         assert posted_in < 0.05, f"isend + wait blocked the CPU for {posted_in:.3f} s"
 
 
@@ -76,7 +76,7 @@ def test_recv_wait_leaves_the_stream_to_wait_for_the_copy(cuda_channel):
     assert received, "the stream read the buffer before the recv had written it"
     # Over UCX a recv into CUDA memory that UCX writes itself (not staged through pinned host
     # memory) is waited for on the CPU, which needs the stream to reach the recv first.
-    assert early == (not cuda_channel.over_ucx or cuda_channel.host_staged)
+    assert early == (not cuda_channel.over_ucx or cuda_channel.host_relayed)
 
 
 def _recv_whose_bytes_come_late(rank, world, numel):
@@ -110,7 +110,7 @@ def test_recv_wait_returns_before_the_bytes_land_where_the_stream_can_wait_for_t
     assert received, "the stream read the buffer before the recv had written it"
     # Over TCP-only UCX the stream waits for the copies in from host memory, queued behind
     # waits for each piece to land. Where UCX writes CUDA memory itself, the CPU waits.
-    assert early == cuda_channel.host_staged, (waited, early)
+    assert early == cuda_channel.host_relayed, (waited, early)
     if early:
         assert waited < 0.5, f"wait() held the CPU for {waited:.3f} s"
 

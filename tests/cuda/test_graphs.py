@@ -426,4 +426,4 @@ def _ucx_capture_refused(rank, world):
 
 def test_cuda_over_ucx_is_refused_in_a_capture():
     for error in channels.CUDA_UCX_TCP.run(_ucx_capture_refused, 2):
-        assert error and "SMFREE_TRANSPORT=ucx" in error and "cannot be captured" in error
+        assert error and "SMFREE_CHANNEL=ucx" in error and "cannot be captured" in error

@@ -119,9 +119,9 @@ def _exchanges_and_staging(rank, world, sizes):
                                  generator=torch.Generator(dev).manual_seed(1 - rank + nbytes))
         assert torch.equal(got, expected), f"{nbytes} B differ"
     after = backend._stats()
-    return {key: after[key] - before[key] if key != "ucx_host_staging_cached_bytes" else after[key]
-            for key in ("ucx_host_staged_sends", "ucx_host_staged_recvs",
-                        "ucx_host_staging_cached_bytes")}
+    return {key: after[key] - before[key] if key != "ucx_relay_cached_bytes" else after[key]
+            for key in ("ucx_relayed_sends", "ucx_relayed_recvs",
+                        "ucx_relay_cached_bytes")}
 
 
 @pytest.mark.parametrize("cuda_channel", channels.CUDA_OVER_UCX)
@@ -129,8 +129,8 @@ def test_cuda_goes_through_pinned_host_memory_exactly_where_ucx_has_only_tcp(cud
     sizes = [0, 1, 4097, 1 << 20, (16 << 20) + 3, 1 << 20]
     moved = sum(1 for nbytes in sizes if nbytes)
     for counts in cuda_channel.run(_exchanges_and_staging, 2, sizes):
-        staged = moved if cuda_channel.host_staged else 0
-        assert counts["ucx_host_staged_sends"] == staged, counts
-        assert counts["ucx_host_staged_recvs"] == staged, counts
+        staged = moved if cuda_channel.host_relayed else 0
+        assert counts["ucx_relayed_sends"] == staged, counts
+        assert counts["ucx_relayed_recvs"] == staged, counts
         # Host buffers come back to the cache once their transfers are done.
-        assert (counts["ucx_host_staging_cached_bytes"] > 0) == cuda_channel.host_staged, counts
+        assert (counts["ucx_relay_cached_bytes"] > 0) == cuda_channel.host_relayed, counts

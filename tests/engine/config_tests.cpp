@@ -40,12 +40,12 @@ class ScopedEnv {
 };
 
 TEST(configDefaults, "config: unset variables take their defaults") {
-  ScopedEnv env{{"SMFREE_TRANSPORT", nullptr}, {"SMFREE_STAGING_BYTES", nullptr},
+  ScopedEnv env{{"SMFREE_CHANNEL", nullptr}, {"SMFREE_STAGING_BYTES", nullptr},
                 {"SMFREE_IPC_CACHE_SIZE", nullptr}, {"SMFREE_SPIN_US", nullptr},
                 {"LOCAL_WORLD_SIZE", nullptr}, {"SMFREE_RING_MEMORY_BYTES", nullptr},
                 {"SMFREE_EAGER_BYTES", nullptr}, {"SMFREE_LOCAL_COPIES", nullptr}};
   const Config config = Config::fromEnv();
-  CHECK(config.transport == Transport::kAuto);
+  CHECK(config.cudaChannel == CudaChannel::kAuto);
   // Copies within one GPU take no SM, so nothing is staged: its copy out would be one.
   CHECK(config.localCopies == cuda::LocalCopies::kPeerGpu);
   CHECK(config.stagingBytes == 0);
@@ -79,20 +79,34 @@ TEST(configStagesOnTheDriversCopies,
   CHECK(Config::fromEnv().stagingBytes == 8u << 20);
 }
 
-TEST(configReadsItsChoices, "config: each transport and size is read as given") {
-  ScopedEnv env{{"SMFREE_TRANSPORT", "ucx"}, {"SMFREE_STAGING_BYTES", "0"}};
+TEST(configReadsItsChoices, "config: each channel and size is read as given") {
+  ScopedEnv env{{"SMFREE_CHANNEL", "ucx"}, {"SMFREE_STAGING_BYTES", "0"}};
   const Config config = Config::fromEnv();
-  CHECK(config.transport == Transport::kUcx);
+  CHECK(config.cudaChannel == CudaChannel::kUcx);
   CHECK(config.stagingBytes == 0);
-  ScopedEnv copyEngine{{"SMFREE_TRANSPORT", "copy_engine"}};
-  CHECK(Config::fromEnv().transport == Transport::kCopyEngine);
+  ScopedEnv copyEngine{{"SMFREE_CHANNEL", "copy_engine"}};
+  CHECK(Config::fromEnv().cudaChannel == CudaChannel::kCopyEngine);
+}
+
+TEST(configRefusesARenamedSettingNamingTheNewOne,
+     "config: SMFREE_TRANSPORT, renamed SMFREE_CHANNEL, is refused naming SMFREE_CHANNEL") {
+  ScopedEnv env{{"SMFREE_TRANSPORT", "ucx"}, {"SMFREE_CHANNEL", nullptr}};
+  CHECK(testing::throwsError([] { Config::fromEnv(); },
+                             "SMFREE_TRANSPORT='ucx' is no longer read: set SMFREE_CHANNEL"));
+}
+
+TEST(configRefusesTheOldRelayPieceSetting,
+     "config: SMFREE_HOST_STAGING_PIECE_BYTES is refused naming SMFREE_RELAY_PIECE_BYTES") {
+  ScopedEnv env{{"SMFREE_HOST_STAGING_PIECE_BYTES", "0"}};
+  CHECK(testing::throwsError([] { Config::fromEnv(); },
+                             "set SMFREE_RELAY_PIECE_BYTES instead"));
 }
 
 TEST(configRefusesBadValuesByName, "config: a bad value is refused naming the variable") {
   {
-    ScopedEnv env{{"SMFREE_TRANSPORT", "nvlink"}};
+    ScopedEnv env{{"SMFREE_CHANNEL", "nvlink"}};
     CHECK(testing::throwsError([] { Config::fromEnv(); },
-                               "SMFREE_TRANSPORT='nvlink' is not one of auto, copy_engine, ucx"));
+                               "SMFREE_CHANNEL='nvlink' is not one of auto, copy_engine, ucx"));
   }
   {
     ScopedEnv env{{"SMFREE_STAGING_BYTES", "4M"}};

@@ -49,7 +49,7 @@ struct Loopback {
     halves[op->id] = pairing.post(*op, timeout);
     return op;
   }
-  // As the engine starts an op (Rendezvous::startOp) and then drives the channel.
+  // As the engine starts an op (OpControl::startOp) and then drives the channel.
   void start(const std::shared_ptr<Op>& op) {
     op->state = OpState::kWaiting;
     for (const LoopbackPairing::Report& report : pairing.progress()) {

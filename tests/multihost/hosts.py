@@ -287,7 +287,7 @@ class Hosts:
         workdir = tempfile.mkdtemp(dir=self.workdir)
         procs, host_of = {}, {}
         # smfree chooses each peer's transport itself, as between real hosts.
-        inherited = {k: v for k, v in os.environ.items() if k != "SMFREE_TRANSPORT"}
+        inherited = {k: v for k, v in os.environ.items() if k != "SMFREE_CHANNEL"}
         rank = 0
         for host, local_count in enumerate(per_host):
             for local_rank in range(local_count):

@@ -284,7 +284,7 @@ def test_killed_host_fails_its_peers_ops_naming_it_and_ops_with_others_go_on():
 # looks harder.
 KILL_RUNS = int(os.environ.get("MULTIHOST_KILL_RUNS", "8"))
 # Host 1's ranks, each exchanging with host 0's one rank: each is a peer whose failure the
-# survivor handles while its receive lane completes that peer's requests.
+# survivor handles while its receive worker completes that peer's requests.
 VICTIMS = 3
 # One burst toward each peer, each way: small messages complete at once, large ones over many
 # progress calls (UCX's rendezvous), so that a kill finds requests at every stage of

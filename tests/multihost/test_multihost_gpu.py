@@ -1,6 +1,6 @@
 """CUDA tensors between emulated hosts, one GPU each (CUDA_VISIBLE_DEVICES per host; the hosts
 share it where the machine has one GPU): smfree
-takes its real cross-host path, UCX over TCP through pinned host memory, with SMFREE_TRANSPORT
+takes its real cross-host path, UCX over TCP through pinned host memory, with SMFREE_CHANNEL
 unset; and a link cut during CUDA exchanges is reported naming the peer's host.
 
 The namespace hosts are one machine, and UCX's cuda_ipc reaches one GPU from the other across
@@ -59,7 +59,7 @@ def _cuda_sizes(rank, world):
     if rank == 1:
         intact.append(torch.equal(buf.cpu(), payload(0, 99, 1 << 20)))
     stats = _backend()._stats()
-    return {"intact": intact, "staged": stats["ucx_host_staged_sends"],
+    return {"intact": intact, "staged": stats["ucx_relayed_sends"],
             "ipc_mappings": stats["ipc_mappings"]}
 
 

@@ -35,7 +35,7 @@ class Bounce {
 // A copy passes through its bounce in chunks of up to this size (measured on H200 through a peer
 // GPU: each chunk's hop costs about 8 µs beyond its bytes, 16 MiB about 43 µs).
 constexpr uint64_t kChunkBytes = 16ull << 20;
-// The largest bounce: a longer copy's two lanes of chunks take a half each (cuda/Copies.h).
+// The largest bounce: a longer copy's two streams of chunks take a half each (cuda/Copies.h).
 constexpr uint64_t kMaxBounceBytes = 2 * kChunkBytes;
 
 // The size of bounce a copy of `bytes` takes: a power of two from 1 MiB to kChunkBytes, or

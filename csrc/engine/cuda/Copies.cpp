@@ -25,41 +25,41 @@ void queueOne(CUstream stream, CUdeviceptr to, CUdeviceptr from, uint64_t bytes,
   check(driver().cuMemcpyAsync(to, from, bytes, stream), what);
 }
 
-// A second stream beside a caller's stream, for a second lane of a long copy's chunks, and the
-// events that start and end that lane. Its work waits only for the caller's stream, which waits
+// A second stream beside a caller's stream, for the odd chunks of a long copy, and the
+// events that start and end its share. Its work waits only for the caller's stream, which waits
 // for all of it at the copy's end: the copy keeps the caller stream's order, and no wait on
 // anything else enters it.
-struct SecondLane {
-  explicit SecondLane(int device)
+struct SideStream {
+  explicit SideStream(int device)
       // Released, not drained, when dropped: its hops follow the caller's stream, which may
       // wait on a peer's flag that never comes.
       : stream(device, Stream::OnDestroy::kRelease), started(device), done(device) {}
 
   Stream stream;
   Event started;  // the first chunk's first hop, on the caller's stream
-  Event done;     // the lane's last hop
+  Event done;     // its last hop
 };
 
 // Both hops of each chunk of kChunkBytes. Without `second`, all on `stream`, one chunk after
 // the other through the bounce's first half. With it, the even chunks so and the odd ones on
 // `second`'s stream through the other half, starting once the first chunk's first hop is done:
-// the lanes then run a hop apart, one's hop into the bounce beside the other's hop out of it, on
-// the two directions of the link. The lanes hand over only at their start and end: a handover
-// between streams cost about 13 µs on H200, so handing over every chunk gained nothing at
-// 16 MiB chunks and lost much at smaller ones (tools/probe_bounce.py).
+// the two streams then run a hop apart, one's hop into the bounce beside the other's hop out of
+// it, on the two directions of the link. The streams hand over only at their start and end: a
+// handover between streams cost about 13 µs on H200, so handing over every chunk gained nothing
+// at 16 MiB chunks and lost much at smaller ones (tools/probe_bounce.py).
 void queueBounced(CUstream stream, const Place& to, const Place& from, uint64_t bytes,
-                  const Bounce& bounce, SecondLane* second, const char* what) {
-  const uint64_t lanes = second ? 2 : 1;
-  if (bounce.bytes() < std::min(bytes, lanes * kChunkBytes)) {
+                  const Bounce& bounce, SideStream* second, const char* what) {
+  const uint64_t streams = second ? 2 : 1;
+  if (bounce.bytes() < std::min(bytes, streams * kChunkBytes)) {
     fail(what, ": a bounce of ", bounce.bytes(), " B is too small for a copy of ", bytes, " B");
   }
   uint64_t index = 0;
   for (uint64_t at = 0; at < bytes; at += kChunkBytes, ++index) {
-    const uint64_t lane = index % lanes;
-    const CUstream on = lane ? second->stream.handle() : stream;
-    const CUdeviceptr through = bounce.address() + lane * kChunkBytes;
+    const uint64_t track = index % streams;
+    const CUstream on = track ? second->stream.handle() : stream;
+    const CUdeviceptr through = bounce.address() + track * kChunkBytes;
     const uint64_t size = std::min(kChunkBytes, bytes - at);
-    if (lane == 1 && index == 1) second->started.waitOn(on);
+    if (track == 1 && index == 1) second->started.waitOn(on);
     queueOne(on, through, from.address + at, size, what);
     if (second && index == 0) second->started.record(stream);
     queueOne(on, to.address + at, through, size, what);
@@ -70,12 +70,12 @@ void queueBounced(CUstream stream, const Place& to, const Place& from, uint64_t 
   }
 }
 
-// A stream's bounce, its second lane, and the event after its last pass.
+// A stream's bounce, its side stream, and the event after its last pass.
 struct StreamBounce {
   std::mutex mutex;  // held while its hops are queued: two threads may share a stream
   // Made at the stream's first copy past one chunk: streams that only ever copy less hold no
   // stream or events they never use.
-  std::unique_ptr<SecondLane> second;
+  std::unique_ptr<SideStream> second;
   std::unique_ptr<BounceLease> lease;
   std::shared_ptr<Event> lastUse;
   uint64_t usedAt = 0;
@@ -98,9 +98,9 @@ class StreamBounces {
       if (entry->lease) entry->lease->usedUntil(entry->lastUse);
       entry->lease = std::make_unique<BounceLease>(to.device, bytes);
     }
-    SecondLane* second = nullptr;
+    SideStream* second = nullptr;
     if (bytes > kChunkBytes) {
-      if (!entry->second) entry->second = std::make_unique<SecondLane>(streamDevice);
+      if (!entry->second) entry->second = std::make_unique<SideStream>(streamDevice);
       second = entry->second.get();
     }
     queueBounced(stream, to, from, bytes, entry->lease->bounce(), second, what);
@@ -168,7 +168,7 @@ void queueCopyThrough(CUstream stream, int streamDevice, const Place& to, const 
     return;
   }
   if (!through) through = std::make_unique<BounceLease>(to.device, std::min(bytes, kChunkBytes));
-  // One lane: a capturing stream has no id to find its second lane by (cuStreamGetId is
+  // One stream: a capturing stream has no id to find its side stream by (cuStreamGetId is
   // refused during capture).
   queueBounced(stream, to, from, bytes, through->bounce(), nullptr, what);
 }

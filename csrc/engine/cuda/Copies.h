@@ -15,10 +15,11 @@ namespace smfree::engine::cuda {
 // which the driver gives a copy engine. A copy within one GPU, which the CUDA 13.0 driver runs
 // as a kernel on SMs, goes in two copy-engine hops through a Bounce on a peer GPU
 // (SMFREE_LOCAL_COPIES=peer_gpu, the default) or in host memory, in chunks of kChunkBytes. An
-// uncaptured copy past one chunk runs its chunks in two lanes a hop apart, the caller's stream
-// and a stream kept beside it, so one lane's hop in overlaps the other's hop out; the caller's
-// stream waits for the second lane before anything queued after the copy. That lane waits for
-// nothing but the caller's stream, so a copy adds no wait on any other stream.
+// uncaptured copy past one chunk alternates its chunks between two streams a hop apart, the
+// caller's stream and a side stream kept beside it, so one stream's hop in overlaps the other's
+// hop out; the caller's stream waits for the side stream before anything queued after the copy.
+// The side stream waits for nothing but the caller's stream, so a copy adds no wait on any
+// other stream.
 // SMFREE_LOCAL_COPIES=driver leaves it to the driver.
 
 constexpr int kHostMemory = -1;

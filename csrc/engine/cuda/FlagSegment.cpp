@@ -91,7 +91,7 @@ std::string refusedBecause() {
   return concat("pidfd_getfd was refused (EPERM): taking a peer's segment needs ptrace access to "
                 "its process, and ", why, "or grant the ranks CAP_SYS_PTRACE (in a container: "
                 "--cap-add SYS_PTRACE), or move same-host CUDA tensors over UCX "
-                "(SMFREE_TRANSPORT=ucx, slower)");
+                "(SMFREE_CHANNEL=ucx, slower)");
 }
 
 std::string kernelRelease() {
@@ -150,7 +150,7 @@ OwnedFd takeSegment(int ownerPidfd, const FlagSegmentRef& published, const std::
     case ENOSYS:
       fail(cannotTake(owner), "pidfd_getfd is unavailable (ENOSYS): it needs Linux 5.6+, this "
            "kernel is ", kernelRelease(), "; same-host CUDA transfers need it (or set "
-           "SMFREE_TRANSPORT=ucx)");
+           "SMFREE_CHANNEL=ucx)");
     case ESRCH:
       fail(cannotTake(owner), "the process exited");
     case EBADF:

@@ -48,7 +48,7 @@ std::unique_ptr<CollectivePiece> CollectiveLanes::post(const Op& op, const PostO
             "every collective lane into a process is taken: collective pieces of "
             "further (group, sending process) pairs go by rendezvous, their wait() waiting "
             "for the peer");
-    rendezvous_.fetch_add(1, std::memory_order_relaxed);
+    opControl_.fetch_add(1, std::memory_order_relaxed);
     return nullptr;
   }
   piece->record = line + op.seq % kCollectiveRecords;
@@ -73,7 +73,7 @@ std::unique_ptr<CollectivePiece> CollectiveLanes::post(const Op& op, const PostO
   piece->role = decideCollective(record, piece->use, piece->sender, publishable, second);
   switch (piece->role) {
     case CollectiveRole::kRendezvous:
-      rendezvous_.fetch_add(1, std::memory_order_relaxed);
+      opControl_.fetch_add(1, std::memory_order_relaxed);
       return nullptr;
     case CollectiveRole::kFirst:
       firsts_.fetch_add(1, std::memory_order_relaxed);
@@ -200,7 +200,7 @@ void CollectiveLanes::addStats(std::map<std::string, int64_t>& stats) const {
   stats["collective_first"] = static_cast<int64_t>(firsts_.load(std::memory_order_relaxed));
   stats["collective_second"] = static_cast<int64_t>(seconds_.load(std::memory_order_relaxed));
   stats["collective_by_rendezvous"] =
-      static_cast<int64_t>(rendezvous_.load(std::memory_order_relaxed));
+      static_cast<int64_t>(opControl_.load(std::memory_order_relaxed));
   std::lock_guard<std::mutex> lock(mutex_);
   stats["collective_ipc_mappings"] = static_cast<int64_t>(ipc_.size());
 }

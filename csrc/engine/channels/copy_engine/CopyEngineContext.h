@@ -44,7 +44,7 @@ struct PeerAddress;
 
 // What the copy-engine protocols (direct, staged, eager, collective) share: this process's flag
 // words, its exports and the peers' memory mapped here, the DMA and copy-out streams, the
-// memory its rings may take, and the way back to the rendezvous (an op's end, a notice).
+// memory its rings may take, and the way back to the op control (an op's end, a notice).
 class CopyEngineContext {
  public:
   // The channel no longer touches the op's buffer (Channel::Done).
@@ -71,7 +71,7 @@ class CopyEngineContext {
     --op->outstanding;
     onDone_(op, status);
   }
-  // Tells the rendezvous an op is done (Channel::Done) where no transfer of it ends with that.
+  // Tells the op control an op is done (Channel::Done) where no transfer of it ends with that.
   void done(const std::shared_ptr<Op>& op, const Status& status) { onDone_(op, status); }
   void notify(Peer& peer, std::string data) { notify_(peer, std::move(data)); }
 

@@ -155,7 +155,7 @@ std::optional<Status> LoopbackPairing::copy(LoopbackOp& sendOp, LoopbackOp& recv
 }
 
 std::string LoopbackPairing::mismatch(const Op& send, const Op& recv) {
-  // The wording for other peers' ops (Rendezvous).
+  // The wording for other peers' ops (OpControl).
   const TensorDesc& sent = send.request.desc;
   const char* what = sent.device != recv.request.desc.device ? "device" : "size or dtype";
   const GroupConfig& group = *send.config;

@@ -1,5 +1,5 @@
 // UCX's work on the caller's thread for CUDA ops: what an op enqueues on the caller's stream
-// at its post (a staged send's copies out among it), the copies in that a staged recv's wait()
+// at its post (a relayed send's copies out among it), the copies in that a relayed recv's wait()
 // queues, and the fence the caller's stream waits on; and what the progress thread gives back
 // once the op has ended.
 #include <mutex>
@@ -14,10 +14,10 @@ namespace smfree::engine {
 std::shared_ptr<ChannelOp> UcxChannel::prepare(Op& op, const PostOptions& options) {
   if (op.request.buffer.memory != MemoryKind::kCuda) return hostOp_;
   std::call_once(announcedCuda_, [this] {
-    log(LogLevel::kInfo, "CUDA tensors to some ranks move over UCX (SMFREE_TRANSPORT=",
-        transport_ == Transport::kUcx ? "ucx" : "auto, ranks on other hosts", ")");
+    log(LogLevel::kInfo, "CUDA tensors to some ranks move over UCX (SMFREE_CHANNEL=",
+        cudaChannel_ == CudaChannel::kUcx ? "ucx" : "auto, ranks on other hosts", ")");
   });
-  const bool staged = options.route.stagedThroughHost && op.request.peer != kAnySource &&
+  const bool relayed = options.route.relaysThroughHost && op.request.peer != kAnySource &&
                       op.request.buffer.bytes > 0;
   cudaOps_.admit(options.timeout);
   UcxCudaOp state;
@@ -31,7 +31,7 @@ std::shared_ptr<ChannelOp> UcxChannel::prepare(Op& op, const PostOptions& option
     state.reached->record(static_cast<CUstream>(op.request.stream));
     queued = flags_.acquire();
     state.queued = *queued;
-    if (staged) state.staging = stageFromCaller(op, state);
+    if (relayed) state.relay = relayFromCaller(op, state);
   } catch (...) {
     // A value of 0 is never handed out: that word was not acquired.
     if (state.streamReady.value != 0) flags_.release(state.streamReady);
@@ -39,9 +39,9 @@ std::shared_ptr<ChannelOp> UcxChannel::prepare(Op& op, const PostOptions& option
     cudaOps_.retire();
     throw;
   }
-  // UCX moves an unstaged op's CUDA memory itself, from the progress thread.
-  const OpTraits traits{.callsCudaOnProgressThread = !staged,
-                        .queuedByWait = staged && !op.isSend()};
+  // UCX moves an unrelayed op's CUDA memory itself, from the progress thread.
+  const OpTraits traits{.callsCudaOnProgressThread = !relayed,
+                        .queuedByWait = relayed && !op.isSend()};
   return std::make_shared<UcxChannelOp>(*this, std::move(state), traits);
 }
 
@@ -51,70 +51,70 @@ UcxChannelOp::UcxChannelOp(UcxChannel& channel, UcxCudaOp cuda, OpTraits traits)
       cuda_(std::move(cuda)),
       queued_(cuda_->queued),
       copied_(cuda_->copied),
-      stagedRecv_(traits.queuedByWait ? cuda_->staging : nullptr) {}
+      relayedRecv_(traits.queuedByWait ? cuda_->relay : nullptr) {}
 
-std::shared_ptr<CallerStaging> UcxChannel::stageFromCaller(const Op& op,
+std::shared_ptr<CallerRelay> UcxChannel::relayFromCaller(const Op& op,
                                                            const UcxCudaOp& state) {
   const Buffer& buffer = op.request.buffer;
-  auto staging = std::make_shared<CallerStaging>();
-  staging->data = buffer.data;
-  staging->bytes = buffer.bytes;
-  staging->device = buffer.device;
-  staging->pieceBytes = stagingPieceBytes(buffer.bytes, pieceBytes_);
-  staging->pieces =
-      static_cast<uint32_t>(stagingPieceCount(buffer.bytes, staging->pieceBytes));
-  staging->reached = state.reached;
-  staging->copied = state.copied;
-  staging->queued = state.queued;
-  staging->host = staging_.take(buffer.device, buffer.bytes);
-  staging->progress = flags_.acquire(staging->pieces);
+  auto relay = std::make_shared<CallerRelay>();
+  relay->data = buffer.data;
+  relay->bytes = buffer.bytes;
+  relay->device = buffer.device;
+  relay->pieceBytes = relayPieceBytes(buffer.bytes, pieceBytes_);
+  relay->pieces =
+      static_cast<uint32_t>(relayPieceCount(buffer.bytes, relay->pieceBytes));
+  relay->reached = state.reached;
+  relay->copied = state.copied;
+  relay->queued = state.queued;
+  relay->host = relay_.take(buffer.device, buffer.bytes);
+  relay->progress = flags_.acquire(relay->pieces);
   try {
     if (op.isSend()) {
-      staging_.copyOutInPieces(*staging, flags_);
+      relay_.copyOutInPieces(*relay, flags_);
     } else {
-      staging->copiedIn = flags_.acquire();
+      relay->copiedIn = flags_.acquire();
     }
   } catch (...) {
-    flags_.release(staging->progress);
+    flags_.release(relay->progress);
     throw;
   }
-  return staging;
+  return relay;
 }
 
 bool UcxChannelOp::queued() {
-  if (stagedRecv_) return channel_.queueCopiesInOnceMatched(*stagedRecv_);
+  if (relayedRecv_) return channel_.queueCopiesInOnceMatched(*relayedRecv_);
   return channel_.flags_.isSet(queued_);
 }
 
-bool UcxChannel::queueCopiesInOnceMatched(CallerStaging& staging) {
-  if (flags_.isSet(staging.queued)) return true;  // queued, or the recv failed
+bool UcxChannel::queueCopiesInOnceMatched(CallerRelay& relay) {
+  if (flags_.isSet(relay.queued)) return true;  // queued, or the recv failed
   // Matched with a promised send, the copies wait on the GPU for bytes whose copies out are
   // already queued on the sender's GPU, and which no thread that could stall has to move.
   // Otherwise they are queued only once the bytes are here: a stream must wait for nothing
   // else.
-  const int matched = staging.matched.load(std::memory_order_acquire);
+  const int matched = relay.matched.load(std::memory_order_acquire);
   const bool mayQueue =
-      matched == CallerStaging::kMatchedPromised ||
-      (matched == CallerStaging::kMatchedUnpromised && flags_.isSet(staging.lastPiece()));
+      matched == CallerRelay::kMatchedPromised ||
+      (matched == CallerRelay::kMatchedUnpromised && flags_.isSet(relay.lastPiece()));
   if (!mayQueue) return false;
-  int state = CallerStaging::kCopiesInOpen;
-  if (!staging.copiesIn.compare_exchange_strong(state, CallerStaging::kCopiesInByCaller)) {
+  int state = CallerRelay::kCopiesInOpen;
+  if (!relay.copiesIn.compare_exchange_strong(state, CallerRelay::kCopiesInByCaller)) {
     return false;  // another thread queues them, or the recv failed: `queued` follows
   }
   try {
-    staging_.copyInAsPiecesLand(staging, flags_);
+    relay_.copyInAsPiecesLand(relay, flags_);
   } catch (...) {
-    flags_.set(staging.copiedIn);  // the progress thread must not wait for it
-    flags_.set(staging.queued);
+    flags_.set(relay.copiedIn);  // the progress thread must not wait for it
+    flags_.set(relay.queued);
     throw;
   }
-  flags_.set(staging.queued);
+  flags_.set(relay.queued);
   sendWorker_.signal();  // the progress thread watches `copiedIn` from now on
   return true;
 }
 
 void UcxChannelOp::waitOnStream(void* stream, int device) {
-  // Never recorded for an unstaged op, whose caller's CPU waited for its end: no wait then.
+  // Never recorded for an unrelayed op, whose caller's CPU waited for its end: no wait then.
   copied_->waitOn(static_cast<CUstream>(stream));
 }
 
@@ -133,14 +133,14 @@ void UcxChannel::release(Op& op) {
   if (!state) return;
   if (state->promised) --commitments_;
   flags_.release(state->queued);
-  if (const auto& staging = state->staging) {
+  if (const auto& relay = state->relay) {
     if (op.isSend()) {
-      cudaOps_.releaseOnceWritten(staging->lastPiece());  // a failed send's copies may still run
+      cudaOps_.releaseOnceWritten(relay->lastPiece());  // a failed send's copies may still run
     } else {
-      flags_.release(staging->progress);
-      flags_.release(staging->copiedIn);
+      flags_.release(relay->progress);
+      flags_.release(relay->copiedIn);
     }
-    staging->host.reset();
+    relay->host.reset();
   }
   state->reached.reset();
   state->copied.reset();

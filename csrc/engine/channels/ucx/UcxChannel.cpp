@@ -1,5 +1,5 @@
-// UCX's per-peer part: the channel's life (its receive lane, the flush at shutdown), the
-// endpoints to peers' receive lanes and whether CUDA buffers toward a peer go through host
+// UCX's per-peer part: the channel's life (its receive worker, the flush at shutdown), the
+// endpoints to peers' receive workers and whether CUDA buffers toward a peer go through host
 // memory, and its figures.
 #include "engine/channels/ucx/UcxChannel.h"
 #include "engine/channels/ucx/UcxChannelOp.h"
@@ -20,23 +20,23 @@ UcxChannel::UcxChannel(const UcxContext& context, UcxWorker& sendWorker, CudaOps
                        Done onDone, Start start)
     : Channel({Capability::kEndpoints, Capability::kNotices, Capability::kProgress,
                Capability::kAdmission}),
-      lane_(std::make_unique<UcxReceiveLane>(context, spin)),
-      receiveLane_(*lane_),
+      ownedReceiveWorker_(std::make_unique<UcxReceiveWorker>(context, spin)),
+      receiveWorker_(*ownedReceiveWorker_),
       sendWorker_(sendWorker),
       cudaOps_(cudaOps),
       thread_(thread),
       flags_(cudaOps.flags()),
-      pieceBytes_(config.hostStagingPieceBytes),
-      transport_(config.transport),
+      pieceBytes_(config.relayPieceBytes),
+      cudaChannel_(config.cudaChannel),
       peerCheck_(config.peerCheck),
       onDone_(std::move(onDone)),
       start_(std::move(start)),
       hostOp_(std::make_shared<UcxChannelOp>(*this)) {}
 
 UcxChannel::~UcxChannel() {
-  endpoints_.clear();  // their flushes first: peers' sends to the receive lane may wait on them
-  receiveLane_.stop();
-  applyCompletions();  // what the lane completed since the last flush
+  endpoints_.clear();  // their flushes first: peers' sends to the receive worker may wait on them
+  receiveWorker_.stop();
+  applyCompletions();  // what the receive worker completed since the last flush
   if (recvsInUcx()) {
     // Such as a recv whose bytes were moving when its peer's link went silent: UCX tracks it
     // on an endpoint of its own making, which neither a cancel nor a close reaches, and
@@ -45,7 +45,7 @@ UcxChannel::~UcxChannel() {
     log(LogLevel::kWarn, "exit: recvs were still inside UCX, which can neither end nor cancel "
         "them (their peer's link went silent, or the peer died, while their bytes moved); the "
         "UCX worker that receives is left to the process's end");
-    static_cast<void>(lane_.release());
+    static_cast<void>(ownedReceiveWorker_.release());
   }
   std::lock_guard<std::mutex> lock(completionsMutex_);
   for (const Completion& completion : completions_) {
@@ -54,7 +54,7 @@ UcxChannel::~UcxChannel() {
   }
 }
 
-std::vector<uint8_t> UcxChannel::receiveAddress() { return receiveLane_.worker().address(); }
+std::vector<uint8_t> UcxChannel::receiveAddress() { return receiveWorker_.worker().address(); }
 
 void UcxChannel::flush(Clock::time_point deadline) {
   for (auto& [peer, endpoint] : endpoints_) endpoint->startFlush();
@@ -72,7 +72,7 @@ void UcxChannel::flush(Clock::time_point deadline) {
 void UcxChannel::settleRecvs(Clock::time_point deadline) {
   applyCompletions();
   for (const auto& [id, movement] : movements_) {
-    if (!movement->isSend()) receiveLane_.cancel(movement->requests);
+    if (!movement->isSend()) receiveWorker_.cancel(movement->requests);
   }
   // UCX's keepalive finds a dead peer within two rounds and ends the recvs it tracks; the
   // fragments of an eager message it never ends, but its worker's destruction does not mind
@@ -97,7 +97,7 @@ PeerRoute UcxChannel::connect(Peer& peer, const PeerError& onError) {
   endpoints_[&peer] = std::make_unique<UcxEndpoint>(
       sendWorker_.handle(), peer.address.receiveWorkerAddress, !peer.sameHost, peer.describe(),
       [onError](ucs_status_t status) { onError(ucxPeerErrorText(status)); });
-  return PeerRoute{stagesCudaToward(peer)};
+  return PeerRoute{relaysCudaToward(peer)};
 }
 
 void UcxChannel::disconnect(Peer& peer) {
@@ -114,9 +114,9 @@ UcxEndpoint* UcxChannel::endpointOf(const Peer& peer) const {
 
 void UcxChannel::report(ChannelReport& report) const {
   std::map<std::string, int64_t>& stats = report.stats;
-  stats["ucx_host_staged_sends"] = static_cast<int64_t>(hostStagedSends_);
-  stats["ucx_host_staged_recvs"] = static_cast<int64_t>(hostStagedRecvs_);
-  stats["ucx_host_staging_cached_bytes"] = static_cast<int64_t>(staging_.cachedBytes());
+  stats["ucx_relayed_sends"] = static_cast<int64_t>(relayedSends_);
+  stats["ucx_relayed_recvs"] = static_cast<int64_t>(relayedRecvs_);
+  stats["ucx_relay_cached_bytes"] = static_cast<int64_t>(relay_.cachedBytes());
 }
 
 bool UcxChannel::streamReached(const Op& op) const {
@@ -124,16 +124,16 @@ bool UcxChannel::streamReached(const Op& op) const {
   return !state || flags_.isSet(state->streamReady);
 }
 
-bool UcxChannel::stagesThroughHost(const Op& op, const Peer& peer) {
+bool UcxChannel::relaysThroughHost(const Op& op, const Peer& peer) {
   const Buffer& buffer = op.request.buffer;
   if (buffer.memory != MemoryKind::kCuda || buffer.bytes == 0) return false;
-  return stagesCudaToward(peer);
+  return relaysCudaToward(peer);
 }
 
-bool UcxChannel::stagesCudaToward(const Peer& peer) {
+bool UcxChannel::relaysCudaToward(const Peer& peer) {
   const UcxEndpoint* endpoint = endpointOf(peer);
   if (!endpoint) return false;
-  auto [decision, first] = stagingDecisions_.try_emplace(&peer, false);
+  auto [decision, first] = relayDecisions_.try_emplace(&peer, false);
   if (first) decision->second = onlyTcpToward(*endpoint, peer);
   return decision->second;
 }

@@ -12,8 +12,8 @@
 #include "engine/CudaOps.h"
 #include "engine/ProgressThread.h"
 #include "engine/Spin.h"
-#include "engine/channels/ucx/HostStaging.h"
-#include "engine/channels/ucx/UcxReceiveLane.h"
+#include "engine/channels/ucx/HostRelay.h"
+#include "engine/channels/ucx/UcxReceiveWorker.h"
 #include "engine/cuda/FlagSegment.h"
 #include "engine/transports/ucx/UcxContext.h"
 #include "engine/transports/ucx/UcxEndpoint.h"
@@ -24,30 +24,30 @@ namespace smfree::engine {
 class UcxChannelOp;
 
 // Moves bytes with UCX tag send/recv straight between the users' buffers, host or CUDA. Sends
-// go out through the engine's worker, to the peer's receive lane (UcxReceiveLane), where recvs
+// go out through the engine's worker, to the peer's receive worker (UcxReceiveWorker), where recvs
 // are posted; each side's two threads move the two directions. The
 // receiver posts its recv under tags it owns (from its op id) before it clears the sender, so
-// the data never lands in UCX's unexpected queue; the exception is an unstaged CUDA recv whose
+// the data never lands in UCX's unexpected queue; the exception is an unrelayed CUDA recv whose
 // stream has not reached it yet, posted once it has (its sender may be cleared before).
 //
 // UCX is not stream-aware: a CUDA op waits, here, for its `streamReady` flag (written by the
 // caller's stream) before UCX may touch the buffer. Completion reaches the caller through its
 // Work on the CPU; no stream waits on UCX, whose own CUDA copies could otherwise queue behind
-// that wait in a shared hardware queue (see CudaFence.h). The exception is a staged op, whose
+// that wait in a shared hardware queue (see CudaFence.h). The exception is a relayed op, whose
 // caller's stream waits for its copies, queued before that wait (UcxCudaOp).
 //
 // Toward a peer that UCX reaches over TCP alone, CUDA buffers go through pinned host memory
-// (HostStaging), in pieces so that copies and the network overlap. The caller's thread queues
-// those copies (CallerStaging), so this channel makes no CUDA call for them: a send's copies
+// (HostRelay), in pieces so that copies and the network overlap. The caller's thread queues
+// those copies (CallerRelay), so this channel makes no CUDA call for them: a send's copies
 // out at its post, in pieces of the sender's size, each followed by a stream write of a flag
 // word read here, and each piece UCX moves goes once the bytes it spans are out. The receiver
 // chooses those pieces and tells the sender with its clear-to-send. A recv's copies in are
-// queued by its wait(), each behind a stream wait on a flag word that the receive lane raises
+// queued by its wait(), each behind a stream wait on a flag word that the receive worker raises
 // as the pieces land in order (markLanded). A CUDA recv from any source learns only here
-// whether it is staged: its copies in are queued here as its pieces land.
+// whether it is relayed: its copies in are queued here as its pieces land.
 //
-// Promises (UcxCommitments.cpp): while neither the progress thread nor the receive lane has
-// made a CUDA call, staged sends are announced as promised, and a staged recv matched with a
+// Promises (UcxCommitments.cpp): while neither the progress thread nor the receive worker has
+// made a CUDA call, relayed sends are announced as promised, and a relayed recv matched with a
 // promised send lets its caller queue its copies in at once, to wait on the GPU for pieces
 // still on the network. The first op that needs a CUDA call on the progress thread ends that
 // for good; it is held back (admit(), the admission hook) until no commitment is in flight: no
@@ -60,13 +60,13 @@ class UcxChannel final : public Channel {
   using Start = std::function<void(const std::shared_ptr<Op>&)>;
 
   // `sendWorker` is the engine's (its thread calls every progress-thread method here); the
-  // channel's receive lane, where recvs are posted, gets a worker of its own on `context`.
+  // channel's receive worker, where recvs are posted, gets a worker of its own on `context`.
   UcxChannel(const UcxContext& context, UcxWorker& sendWorker, CudaOps& cudaOps,
              const ProgressThread& thread, const Config& config, const Spin& spin,
              Done onDone, Start start);
   ~UcxChannel() override;
 
-  // Where peers send data: the receive lane's worker address.
+  // Where peers send data: the receive worker's worker address.
   std::vector<uint8_t> receiveAddress();
 
   // Caller's thread (UcxCaller.cpp).
@@ -86,7 +86,7 @@ class UcxChannel final : public Channel {
   void onNotice(const Notice& notice) override;
   Progress progress() override;
   bool busy() const override;
-  void stop() override { lane_->stop(); }
+  void stop() override { ownedReceiveWorker_->stop(); }
   void report(ChannelReport& report) const override;
 
  private:
@@ -116,25 +116,25 @@ class UcxChannel final : public Channel {
 
   // Sender, as the send starts: whether it is promised (ReadyToSend::promised).
   bool promiseSend(Op& send);
-  // Sender, as the send starts: tracks a caller-staged send, whose copies out are queued.
+  // Sender, as the send starts: tracks a caller-relayed send, whose copies out are queued.
   void prepareSend(const std::shared_ptr<Op>& send, Peer& destination);
   // The progress thread makes CUDA calls from now on, the first time for `op`.
   void progressThreadCallsCuda(const Op& op);
   // Starts the ops admit() held, once no commitment is in flight.
   void startHeldOps();
-  // Caller's thread: stages a CUDA op through host memory; a send's copies out are queued.
-  std::shared_ptr<CallerStaging> stageFromCaller(const Op& op, const UcxCudaOp& state);
-  // Caller's thread, a caller-staged recv: queues its copies in, which wait on the GPU for
+  // Caller's thread: relays a CUDA op through host memory; a send's copies out are queued.
+  std::shared_ptr<CallerRelay> relayFromCaller(const Op& op, const UcxCudaOp& state);
+  // Caller's thread, a caller-relayed recv: queues its copies in, which wait on the GPU for
   // their pieces to land, and sets `queued`, if its match allows that now; true once `queued`
   // is set (also by a failure).
-  bool queueCopiesInOnceMatched(CallerStaging& staging);
+  bool queueCopiesInOnceMatched(CallerRelay& relay);
   // Whether CUDA buffers to or from `peer` go through host memory; decided, and logged, once.
-  bool stagesCudaToward(const Peer& peer);
+  bool relaysCudaToward(const Peer& peer);
   UcxEndpoint* endpointOf(const Peer& peer) const;
   bool streamReached(const Op& op) const;
   // Whether the op's bytes go through host memory: a CUDA op toward a peer reached by TCP only.
   // Decided, and logged, once per peer.
-  bool stagesThroughHost(const Op& op, const Peer& peer);
+  bool relaysThroughHost(const Op& op, const Peer& peer);
   bool onlyTcpToward(const UcxEndpoint& endpoint, const Peer& peer) const;
   Movement& track(const std::shared_ptr<Op>& op, Peer& peer);
   // Moves what the movement's state allows; true if anything changed. Runs once the queued
@@ -148,9 +148,9 @@ class UcxChannel final : public Channel {
   bool copyInLandedPieces(Movement& movement);
   bool countCopiedInPieces(Movement& movement);
   bool countCopiedOut(Movement& movement);
-  // A failed caller-staged recv whose copies in its caller queued: lets them run.
+  // A failed caller-relayed recv whose copies in its caller queued: lets them run.
   void releaseWaitingCopiesIn(Movement& movement);
-  // Receive lane's thread: a caller-staged recv's piece has landed.
+  // Receive worker's thread: a caller-relayed recv's piece has landed.
   void markLanded(Movement& movement, uint32_t piece);
   void postPiece(Movement& movement, uint32_t piece);
   bool movementEnded(const Movement& movement) const;
@@ -159,35 +159,35 @@ class UcxChannel final : public Channel {
   void finish(const Completion& completion);
   // Shutdown, the progress thread gone: cancels the recvs still posted, and waits, up to
   // `deadline` and a few keepalive rounds, for those UCX had matched to end. UCX destroys the
-  // receive lane's worker only if no endpoint of it still tracks a request, and asserts so
+  // receive worker's worker only if no endpoint of it still tracks a request, and asserts so
   // (Debian's UCX aborts): a matched recv from a peer that died stays tracked until UCX's
   // keepalive finds the peer gone and ends it.
   void settleRecvs(Clock::time_point deadline);
   bool recvsInUcx() const;
 
   // First: it outlives the endpoints, whose flushes peers' sends to it may wait on.
-  std::unique_ptr<UcxReceiveLane> lane_;
-  UcxReceiveLane& receiveLane_;
+  std::unique_ptr<UcxReceiveWorker> ownedReceiveWorker_;
+  UcxReceiveWorker& receiveWorker_;
   UcxWorker& sendWorker_;
   CudaOps& cudaOps_;
   const ProgressThread& thread_;
   cuda::FlagSegment& flags_;
   const uint64_t pieceBytes_;
-  const Transport transport_;
+  const CudaChannel cudaChannel_;
   const std::chrono::milliseconds peerCheck_;  // UCX's keepalive interval
   Done onDone_;
   Start start_;
-  HostStaging staging_;
+  HostRelay relay_;
   // CPU tensors' ops keep nothing here from their post: they share this part.
   std::shared_ptr<UcxChannelOp> hostOp_;
   std::once_flag announcedCuda_;
-  // By peer: to its receive lane. Dropped when the channel goes, or a failed same-host peer is
+  // By peer: to its receive worker. Dropped when the channel goes, or a failed same-host peer is
   // disconnected.
   std::unordered_map<const Peer*, std::unique_ptr<UcxEndpoint>> endpoints_;
   // By op id. Only progress() changes a movement after a post, applying what the callbacks
-  // queued: they run on the receive lane's thread, or inside the calls that post and cancel.
+  // queued: they run on the receive worker's thread, or inside the calls that post and cancel.
   std::unordered_map<uint64_t, std::unique_ptr<Movement>> movements_;
-  std::unordered_map<const Peer*, bool> stagingDecisions_;  // peers live as long as the engine
+  std::unordered_map<const Peer*, bool> relayDecisions_;  // peers live as long as the engine
   // Progress thread: see the class comment.
   bool promising_ = true;
   std::string stoppedPromising_;  // the op that ended it
@@ -199,8 +199,8 @@ class UcxChannel final : public Channel {
   mutable std::mutex completionsMutex_;
   std::vector<Completion> completions_;
   int cudaDevice_ = -1;
-  uint64_t hostStagedSends_ = 0;
-  uint64_t hostStagedRecvs_ = 0;
+  uint64_t relayedSends_ = 0;
+  uint64_t relayedRecvs_ = 0;
 };
 
 }  // namespace smfree::engine

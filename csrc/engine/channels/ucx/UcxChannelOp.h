@@ -41,7 +41,7 @@ class UcxChannelOp final : public ChannelOp {
   // The fence's: copies of the state's, which release() gives back.
   cuda::Flag queued_;
   std::shared_ptr<cuda::Event> copied_;
-  std::shared_ptr<CallerStaging> stagedRecv_;  // its wait() queues its copies in
+  std::shared_ptr<CallerRelay> relayedRecv_;  // its wait() queues its copies in
 };
 
 // The op's UCX CUDA state; null for a CPU tensor.

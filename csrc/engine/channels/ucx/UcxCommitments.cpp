@@ -1,4 +1,4 @@
-// UCX's promises (see UcxChannel.h): which staged ops are promised, and the admission hook
+// UCX's promises (see UcxChannel.h): which relayed ops are promised, and the admission hook
 // that holds back an op whose CUDA calls on the progress thread could stall it while
 // commitments are in flight.
 #include "engine/Log.h"
@@ -59,14 +59,14 @@ ChannelAnnouncement UcxChannel::announce(const std::shared_ptr<Op>& send, Peer& 
 
 bool UcxChannel::promiseSend(Op& send) {
   UcxCudaOp* state = ucxCudaOp(send);
-  if (!state || !state->staging) return false;
-  // A caller-staged send's copies out are queued already (prepare()).
+  if (!state || !state->relay) return false;
+  // A caller-relayed send's copies out are queued already (prepare()).
   state->promised = promising_;
   if (state->promised) {
     ++commitments_;
   } else {
     logOnce("unpromised-send",
-            concat("staged CUDA sends are not promised since this process moved ",
+            concat("relayed CUDA sends are not promised since this process moved ",
                    stoppedPromising_, " with CUDA calls on its progress thread: their "
                    "receivers' wait() holds the CPU until the bytes land"));
   }
@@ -75,15 +75,15 @@ bool UcxChannel::promiseSend(Op& send) {
 
 void UcxChannel::cleared(const std::shared_ptr<Op>& recv, bool sendPromised) {
   UcxCudaOp* state = ucxCudaOp(*recv);
-  if (!state || !state->staging || recv->finished()) return;
+  if (!state || !state->relay || recv->finished()) return;
   // Its copies in may wait on the GPU only for bytes that nothing here has to move: the
   // sender's are copied out and moved by threads that make no CUDA call (promised), the
   // clear-to-send has left (an eager control message on a connection of its own), and the
-  // receive lane, which makes no CUDA call while this process promises, marks the pieces.
+  // receive worker, which makes no CUDA call while this process promises, marks the pieces.
   const bool promised = sendPromised && promising_;
   if (!promised) {
     logOnce("unpromised-recv",
-            concat(recv->describe(), " and later staged CUDA recvs like it hold the CPU in "
+            concat(recv->describe(), " and later relayed CUDA recvs like it hold the CPU in "
                    "wait() until their bytes land: ",
                    sendPromised ? concat("this process moved ", stoppedPromising_,
                                          " with CUDA calls on its progress thread")
@@ -92,8 +92,8 @@ void UcxChannel::cleared(const std::shared_ptr<Op>& recv, bool sendPromised) {
   }
   state->promised = promised;
   if (promised) ++commitments_;
-  state->staging->matched.store(
-      promised ? CallerStaging::kMatchedPromised : CallerStaging::kMatchedUnpromised,
+  state->relay->matched.store(
+      promised ? CallerRelay::kMatchedPromised : CallerRelay::kMatchedUnpromised,
       std::memory_order_release);
 }
 

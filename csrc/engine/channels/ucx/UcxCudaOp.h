@@ -11,11 +11,11 @@
 
 namespace smfree::engine {
 
-// A CUDA op over UCX staged through pinned host memory whose copies its caller's thread
+// A CUDA op over UCX relayed through pinned host memory whose copies its caller's thread
 // submits: a send's copies out at its post, before its announcement, a recv's copies in at its
 // wait() once it has matched (UcxChannelOp::queued). The progress thread makes
 // no CUDA call for it.
-struct CallerStaging {
+struct CallerRelay {
   std::shared_ptr<cuda::PinnedMemory> host;
   void* data = nullptr;  // the op's CUDA buffer
   uint64_t bytes = 0;
@@ -23,7 +23,7 @@ struct CallerStaging {
   uint64_t pieceBytes = 0;  // 0: one piece
   uint32_t pieces = 1;
   // Send: the DMA stream raises it to `progress.value + k` once pieces 0..k are in host memory.
-  // Recv: the receive lane raises it so once pieces 0..k have landed.
+  // Recv: the receive worker raises it so once pieces 0..k have landed.
   cuda::Flag progress;
   cuda::Flag copiedIn;  // recv: written by the DMA stream after the last copy in
   std::atomic<int> matched{0};  // recv: kUnmatched, kMatchedPromised or kMatchedUnpromised
@@ -46,21 +46,21 @@ struct CallerStaging {
 };
 
 // The stream-side state of a CUDA op over UCX. UCX is not stream-aware, so the caller's CPU
-// waits for such an op to end; but an op staged through host memory touches the buffer only
+// waits for such an op to end; but an op relayed through host memory touches the buffer only
 // with copy engines, so there the caller's stream waits for those copies (`copied`) and the
 // CPU only for them to be queued (`queued`): a send's once its receiver has cleared it (its
 // copy out is queued at the post), a recv's once its wait() has queued its copies in. An
-// unstaged op sets `queued` when it ends, and never records `copied`.
+// unrelayed op sets `queued` when it ends, and never records `copied`.
 struct UcxCudaOp {
   // Written by the caller's stream once the work queued before the op is done; UCX touches
   // the buffer only after that.
   cuda::Flag streamReady;
   cuda::Flag queued;
-  // Recorded on the caller's stream at the post: a staged op's copies wait for it (the source
+  // Recorded on the caller's stream at the post: a relayed op's copies wait for it (the source
   // is produced, or the destination free).
   std::shared_ptr<cuda::Event> reached;
   std::shared_ptr<cuda::Event> copied;
-  std::shared_ptr<CallerStaging> staging;  // staged through host memory by the caller
+  std::shared_ptr<CallerRelay> relay;  // relayed through host memory by the caller
   // A send announced as promised, or a recv matched with one whose copies in may wait on the
   // GPU (UcxChannel's commitments).
   bool promised = false;

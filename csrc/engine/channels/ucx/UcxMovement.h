@@ -16,18 +16,18 @@ constexpr ucp_tag_t kFullMask = ~ucp_tag_t{0};
 // piece's index.
 constexpr unsigned kPieceBits = 20;
 constexpr uint64_t kMostPieces = uint64_t{1} << kPieceBits;
-static_assert(kMostPieces == kMostStagingPieces);
+static_assert(kMostPieces == kMostRelayPieces);
 
 // Where one piece of a movement is.
 enum class PieceState : uint8_t {
   kWaiting,  // not yet touched
-  kCopying,  // staged recv: its copy in is queued
+  kCopying,  // relayed recv: its copy in is queued
   kInUcx,    // a UCX request moves it
-  kLanded,   // staged recv: in host memory, not yet copied in
+  kLanded,   // relayed recv: in host memory, not yet copied in
   kDone,
 };
 
-// One op's bytes in this channel, from the clear-to-send (a staged send: from its post; a recv:
+// One op's bytes in this channel, from the clear-to-send (a relayed send: from its post; a recv:
 // from its arming) until no UCX request or copy touches its buffer.
 struct UcxChannel::Movement {
   std::shared_ptr<Op> op;
@@ -35,20 +35,20 @@ struct UcxChannel::Movement {
   bool cleared = false;         // a send: its clear-to-send gave the tag and the pieces
   ucp_tag_t tag = 0;            // piece i travels under tag + i
   uint64_t pieceBytes = 0;      // 0: one piece
-  bool staged = false;
-  bool started = false;  // pieces posted, or (staged send) their copies out queued
-  std::shared_ptr<cuda::PinnedMemory> host;  // staged: what UCX moves instead of the buffer
+  bool relayed = false;
+  bool started = false;  // pieces posted, or (relayed send) their copies out queued
+  std::shared_ptr<cuda::PinnedMemory> host;  // relayed: what UCX moves instead of the buffer
   std::vector<PieceState> pieces;
-  std::vector<std::shared_ptr<cuda::Event>> copies;  // staged recv: each piece's copy in
-  uint64_t copiedOut = 0;         // staged send: bytes in host memory
+  std::vector<std::shared_ptr<cuda::Event>> copies;  // relayed recv: each piece's copy in
+  uint64_t copiedOut = 0;         // relayed send: bytes in host memory
   std::vector<void*> requests;    // UCX requests not yet completed
-  uint32_t nextToTransmit = 0;    // staged send: pieces go out in order
-  uint32_t copiesInQueued = 0;    // staged recv
-  // Staged by its caller (CallerStaging): the caller's thread queues its copies.
-  std::shared_ptr<CallerStaging> callerStaging;
-  // Caller-staged recv, receive lane's thread only: which pieces have landed, and how many
+  uint32_t nextToTransmit = 0;    // relayed send: pieces go out in order
+  uint32_t copiesInQueued = 0;    // relayed recv
+  // Relayed by its caller (CallerRelay): the caller's thread queues its copies.
+  std::shared_ptr<CallerRelay> callerRelay;
+  // Caller-relayed recv, receive worker's thread only: which pieces have landed, and how many
   // from the first have.
-  std::vector<uint8_t> landedOnLane;
+  std::vector<uint8_t> landedOnWorker;
   uint32_t landedInOrder = 0;
   uint32_t done = 0;
   std::optional<Status> failure;
@@ -62,15 +62,15 @@ struct UcxChannel::Movement {
   }
   void setPieces(uint64_t bytes) {
     pieceBytes = bytes;
-    const uint64_t count = stagingPieceCount(op->request.buffer.bytes, bytes);
+    const uint64_t count = relayPieceCount(op->request.buffer.bytes, bytes);
     pieces.assign(count, PieceState::kWaiting);
     copies.resize(count);
   }
   bool copyPending(const cuda::FlagSegment& flags) const {
-    if (callerStaging) {
-      if (isSend()) return !flags.isSet(callerStaging->lastPiece());
-      return callerStaging->copiesIn.load() == CallerStaging::kCopiesInByCaller &&
-             !flags.isSet(callerStaging->copiedIn);
+    if (callerRelay) {
+      if (isSend()) return !flags.isSet(callerRelay->lastPiece());
+      return callerRelay->copiesIn.load() == CallerRelay::kCopiesInByCaller &&
+             !flags.isSet(callerRelay->copiedIn);
     }
     for (size_t i = 0; i < pieces.size(); ++i) {
       if (pieces[i] == PieceState::kCopying && !copies[i]->reached()) return true;

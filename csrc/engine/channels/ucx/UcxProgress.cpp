@@ -61,11 +61,11 @@ bool UcxChannel::advance(Movement& movement) {
     cancelRequests(movement);
     return true;
   }
-  // A send tracked before its clear-to-send is a staged one, copied out at its post.
+  // A send tracked before its clear-to-send is a relayed one, copied out at its post.
   if (movement.isSend() && !movement.cleared) return countCopiedOut(movement);
   if (!movement.started) return startOnceStreamReached(movement);
-  if (!movement.staged) return false;
-  if (movement.callerStaging && !movement.isSend()) return false;  // its caller copies in
+  if (!movement.relayed) return false;
+  if (movement.callerRelay && !movement.isSend()) return false;  // its caller copies in
   if (movement.isSend()) {
     const bool counted = countCopiedOut(movement);
     return transmitCopiedPieces(movement) || counted;
@@ -77,8 +77,8 @@ bool UcxChannel::advance(Movement& movement) {
 bool UcxChannel::movementEnded(const Movement& movement) const {
   if (!movement.requests.empty()) return false;
   if (movement.failure) return !movement.copyPending(flags_);
-  if (movement.callerStaging && !movement.isSend() &&
-      !flags_.isSet(movement.callerStaging->copiedIn)) {
+  if (movement.callerRelay && !movement.isSend() &&
+      !flags_.isSet(movement.callerRelay->copiedIn)) {
     return false;
   }
   return (!movement.isSend() || movement.cleared) && movement.done == movement.pieces.size();
@@ -92,11 +92,11 @@ bool UcxChannel::busy() const {
   }
   for (const auto& [id, movement] : movements_) {
     if (!movement->started || movement->failure || movementEnded(*movement)) return true;
-    if (const auto& staging = movement->callerStaging) {
+    if (const auto& relay = movement->callerRelay) {
       // Words that streams write, polled: a send's copies out, a recv's copies in once its
       // wait() has queued them.
-      if (movement->isSend() ? movement->copiedOut < staging->bytes
-                             : staging->copiesIn.load() == CallerStaging::kCopiesInByCaller) {
+      if (movement->isSend() ? movement->copiedOut < relay->bytes
+                             : relay->copiesIn.load() == CallerRelay::kCopiesInByCaller) {
         return true;
       }
     }
@@ -119,7 +119,7 @@ void UcxChannel::cancel(Op& op) {
 
 void UcxChannel::cancelRequests(Movement& movement) {
   if (!movement.isSend()) {
-    receiveLane_.cancel(movement.requests);  // the lane's thread completes them meanwhile
+    receiveWorker_.cancel(movement.requests);  // its thread completes them meanwhile
     return;
   }
   // The engine's worker completes sends on this thread alone, so UCX's own check for a
@@ -165,7 +165,7 @@ void UcxChannel::finish(const Completion& completion) {
     if (!movement.failure) movement.failure = std::move(failure);
     return;
   }
-  if (movement.staged && !movement.isSend() && !movement.callerStaging) {
+  if (movement.relayed && !movement.isSend() && !movement.callerRelay) {
     movement.pieces[piece] = PieceState::kLanded;
     return;
   }
@@ -184,7 +184,7 @@ void UcxChannel::onReceived(void* request, ucs_status_t status, const ucp_tag_re
   auto* transfer = static_cast<Transfer*>(userData);
   const size_t length = status == UCS_OK ? info->length : 0;
   Movement& movement = *transfer->movement;
-  if (movement.callerStaging && status == UCS_OK &&
+  if (movement.callerRelay && status == UCS_OK &&
       length == movement.bytesOf(transfer->piece)) {
     transfer->channel->markLanded(movement, transfer->piece);
   }

@@ -32,41 +32,41 @@ UcxChannel::Movement& UcxChannel::track(const std::shared_ptr<Op>& op, Peer& pee
 
 void UcxChannel::prepareSend(const std::shared_ptr<Op>& send, Peer& destination) {
   const UcxCudaOp* state = ucxCudaOp(*send);
-  if (!state || !state->staging) return;
-  // Staged by its caller (prepare()), whose copies out are queued already.
+  if (!state || !state->relay) return;
+  // Relayed by its caller (prepare()), whose copies out are queued already.
   Movement& movement = track(send, destination);
-  movement.staged = true;
+  movement.relayed = true;
   movement.started = true;
-  movement.callerStaging = state->staging;
-  movement.host = movement.callerStaging->host;
-  ++hostStagedSends_;
+  movement.callerRelay = state->relay;
+  movement.host = movement.callerRelay->host;
+  ++relayedSends_;
 }
 
 std::string UcxChannel::armRecv(const std::shared_ptr<Op>& recv, Peer& source) {
   thread_.check("UcxChannel::armRecv");
   const UcxCudaOp* state = ucxCudaOp(*recv);
-  std::shared_ptr<CallerStaging> callerStaging = state ? state->staging : nullptr;
-  const bool staged = callerStaging || stagesThroughHost(*recv, source);
+  std::shared_ptr<CallerRelay> callerRelay = state ? state->relay : nullptr;
+  const bool relayed = callerRelay || relaysThroughHost(*recv, source);
   const uint64_t bytes = recv->request.buffer.bytes;
-  const uint64_t pieceBytes = callerStaging ? callerStaging->pieceBytes
-                              : staged      ? stagingPieceBytes(bytes, pieceBytes_)
+  const uint64_t pieceBytes = callerRelay ? callerRelay->pieceBytes
+                              : relayed      ? relayPieceBytes(bytes, pieceBytes_)
                                             : 0;
   const ucp_tag_t tag = recv->id << kPieceBits;
   Movement& movement = track(recv, source);
   movement.tag = tag;
   movement.setPieces(pieceBytes);
-  movement.staged = staged;
-  if (callerStaging) {
-    movement.callerStaging = callerStaging;
-    movement.host = callerStaging->host;
-    movement.landedOnLane.assign(movement.pieces.size(), 0);
-    ++hostStagedRecvs_;
-  } else if (staged) {
-    movement.host = staging_.take(recv->request.buffer.device, bytes);
-    ++hostStagedRecvs_;
+  movement.relayed = relayed;
+  if (callerRelay) {
+    movement.callerRelay = callerRelay;
+    movement.host = callerRelay->host;
+    movement.landedOnWorker.assign(movement.pieces.size(), 0);
+    ++relayedRecvs_;
+  } else if (relayed) {
+    movement.host = relay_.take(recv->request.buffer.device, bytes);
+    ++relayedRecvs_;
   }
-  // A staged recv lands in host memory, free to take the bytes before the stream reaches it.
-  if (staged || streamReached(*recv)) {
+  // A relayed recv lands in host memory, free to take the bytes before the stream reaches it.
+  if (relayed || streamReached(*recv)) {
     movement.started = true;
     for (uint32_t piece = 0; piece < movement.pieces.size() && !movement.failure; ++piece) {
       postPiece(movement, piece);
@@ -98,13 +98,13 @@ void UcxChannel::startSend(const std::shared_ptr<Op>& send, Peer& destination,
     badPeerValue(kMessage, "piece bytes", pieceBytes, " B cut ", send->describe(),
                  " into more than ", kMostPieces, " pieces");
   }
-  auto prepared = movements_.find(send->id);  // staged: its copies out queued at its post
+  auto prepared = movements_.find(send->id);  // relayed: its copies out queued at its post
   Movement& movement =
       prepared != movements_.end() ? *prepared->second : track(send, destination);
   movement.cleared = true;
   movement.tag = tag;
   movement.setPieces(pieceBytes);
-  if (movement.staged) {
+  if (movement.relayed) {
     // Matched: from here its wait() leaves the buffer to the caller's stream, which waits for
     // the copies out. Not before, so a mismatch still reaches that wait().
     if (!movement.failure) flags_.set(ucxCudaOp(*send)->queued);
@@ -149,7 +149,7 @@ void UcxChannel::postPiece(Movement& movement, uint32_t piece) {
   if (!movement.host && buffer.memory == MemoryKind::kCuda) {
     context.emplace(buffer.device);
     cudaDevice_ = buffer.device;
-    receiveLane_.useCudaDevice(buffer.device);
+    receiveWorker_.useCudaDevice(buffer.device);
   }
   movement.pieces[piece] = PieceState::kInUcx;
   Transfer* owned = transfer.release();  // owned by the request until its callback
@@ -159,7 +159,7 @@ void UcxChannel::postPiece(Movement& movement, uint32_t piece) {
     request = ucp_tag_send_nbx(endpoint->handle(), data, bytes, tag, &params);
   } else {
     params.cb.recv = &UcxChannel::onReceived;
-    request = ucp_tag_recv_nbx(receiveLane_.worker().handle(), data, bytes, tag, kFullMask,
+    request = ucp_tag_recv_nbx(receiveWorker_.worker().handle(), data, bytes, tag, kFullMask,
                                &params);
   }
   if (UCS_PTR_IS_ERR(request)) {

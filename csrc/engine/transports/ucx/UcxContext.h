@@ -9,7 +9,7 @@
 namespace smfree::engine {
 
 // The process's UCX context, with smfree's changes to UCX's defaults. Its workers run on
-// different threads. It outlives them: a worker left alive (UcxChannel's receive lane, where
+// different threads. It outlives them: a worker left alive (UcxChannel's receive worker, where
 // UCX still tracks a recv it can neither end nor cancel) keeps the context to the process's end.
 class UcxContext {
  public:

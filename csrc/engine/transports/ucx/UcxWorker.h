@@ -12,7 +12,7 @@ namespace smfree::engine {
 
 // A UCX worker with its event fd. A single-threaded one is driven by one thread only
 // (ucp_worker_signal, the one exception, is safe from any thread); a shared one takes posts
-// from other threads than the one that progresses it (cancels: see UcxReceiveLane).
+// from other threads than the one that progresses it (cancels: see UcxReceiveWorker).
 class UcxWorker {
  public:
   enum class Threads { kSingle, kShared };

@@ -1,4 +1,4 @@
-#include "engine/channels/ucx/UcxReceiveLane.h"
+#include "engine/channels/ucx/UcxReceiveWorker.h"
 
 #include <poll.h>
 #include <sys/prctl.h>
@@ -16,28 +16,28 @@ constexpr int kIdleSleepMs = 100;
 
 }  // namespace
 
-UcxReceiveLane::UcxReceiveLane(const UcxContext& context, const Spin& spin)
+UcxReceiveWorker::UcxReceiveWorker(const UcxContext& context, const Spin& spin)
     : worker_(context, UcxWorker::Threads::kShared), spin_(spin), thread_([this] { run(); }) {}
 
-UcxReceiveLane::~UcxReceiveLane() { stop(); }
+UcxReceiveWorker::~UcxReceiveWorker() { stop(); }
 
-void UcxReceiveLane::stop() {
+void UcxReceiveWorker::stop() {
   if (stopping_.exchange(true)) return;
   worker_.signal();
   thread_.join();
 }
 
-void UcxReceiveLane::cancel(const std::vector<void*>& requests) {
+void UcxReceiveWorker::cancel(const std::vector<void*>& requests) {
   std::lock_guard<std::mutex> lock(progressing_);
   for (void* request : requests) ucp_request_cancel(worker_.handle(), request);
 }
 
-bool UcxReceiveLane::progressOnce() {
+bool UcxReceiveWorker::progressOnce() {
   std::lock_guard<std::mutex> lock(progressing_);
   return worker_.progress() != 0;
 }
 
-void UcxReceiveLane::run() {
+void UcxReceiveWorker::run() {
   prctl(PR_SET_NAME, "smfree-recv");
   prctl(PR_SET_TIMERSLACK, 1000UL);  // as the engine's thread: every landed piece passes here
   cuda::markEngineThread();
@@ -49,7 +49,7 @@ void UcxReceiveLane::run() {
       try {
         context.use(device);
       } catch (const Error& error) {
-        logOnce("receive-lane-context", concat("UCX receive thread: ", error.what()));
+        logOnce("receive-worker-context", concat("UCX receive thread: ", error.what()));
       }
     }
     bool active = false;
@@ -57,7 +57,7 @@ void UcxReceiveLane::run() {
       while (progressOnce()) active = true;
     } catch (const std::exception& error) {
       // No exception may end the thread: the transfers it serves fail at their timeouts.
-      logOnce(concat("receive lane ", error.what()), concat("UCX receive thread: ", error.what()),
+      logOnce(concat("receive worker ", error.what()), concat("UCX receive thread: ", error.what()),
               LogLevel::kError);
     }
     const auto now = std::chrono::steady_clock::now();

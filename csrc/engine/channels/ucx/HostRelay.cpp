@@ -1,4 +1,4 @@
-#include "engine/channels/ucx/HostStaging.h"
+#include "engine/channels/ucx/HostRelay.h"
 
 #include <algorithm>
 #include <mutex>
@@ -16,18 +16,18 @@ namespace {
 constexpr uint64_t kSmallestClass = uint64_t{64} << 10;
 
 // The two directions, as the logs and errors name them.
-constexpr const char* kToHost = "device to host staging";
-constexpr const char* kToDevice = "host staging to device";
+constexpr const char* kToHost = "device to host relay";
+constexpr const char* kToDevice = "host relay to device";
 
 struct PieceSpan {
   uint64_t offset;
   uint64_t bytes;
 };
 
-PieceSpan spanOf(const CallerStaging& staging, uint32_t piece) {
-  if (staging.pieceBytes == 0) return {0, staging.bytes};
-  const uint64_t offset = piece * staging.pieceBytes;
-  return {offset, std::min(staging.pieceBytes, staging.bytes - offset)};
+PieceSpan spanOf(const CallerRelay& relay, uint32_t piece) {
+  if (relay.pieceBytes == 0) return {0, relay.bytes};
+  const uint64_t offset = piece * relay.pieceBytes;
+  return {offset, std::min(relay.pieceBytes, relay.bytes - offset)};
 }
 
 void* addressIn(void* base, uint64_t offset) { return static_cast<char*>(base) + offset; }
@@ -50,21 +50,21 @@ uint64_t sizeClass(uint64_t bytes) {
 
 }  // namespace
 
-uint64_t stagingPieceBytes(uint64_t bytes, uint64_t preferred) {
+uint64_t relayPieceBytes(uint64_t bytes, uint64_t preferred) {
   if (preferred == 0 || bytes <= preferred) return 0;
-  return std::max(preferred, (bytes + kMostStagingPieces - 1) / kMostStagingPieces);
+  return std::max(preferred, (bytes + kMostRelayPieces - 1) / kMostRelayPieces);
 }
 
-uint64_t stagingPieceCount(uint64_t bytes, uint64_t pieceBytes) {
+uint64_t relayPieceCount(uint64_t bytes, uint64_t pieceBytes) {
   return pieceBytes == 0 ? 1 : (bytes + pieceBytes - 1) / pieceBytes;
 }
 
 // Idle buffers by size class. Allocating pinned memory costs milliseconds (a 256 MiB buffer
 // per op made 256 MiB sends 5 x slower), so buffers are kept, as PyTorch keeps its pinned
 // host blocks: what is cached never exceeds what was in use at once, per class. Shared with
-// the deleters of the buffers handed out, which may run after the HostStaging is gone (a UCX
+// the deleters of the buffers handed out, which may run after the HostRelay is gone (a UCX
 // request freed late): they then free the memory.
-struct HostStaging::Cache {
+struct HostRelay::Cache {
   std::mutex mutex;
   std::map<uint64_t, std::vector<std::unique_ptr<cuda::PinnedMemory>>> idle;
   uint64_t idleBytes = 0;
@@ -86,9 +86,9 @@ struct HostStaging::Cache {
   }
 };
 
-HostStaging::HostStaging() : cache_(std::make_shared<Cache>()) {}
+HostRelay::HostRelay() : cache_(std::make_shared<Cache>()) {}
 
-std::shared_ptr<cuda::PinnedMemory> HostStaging::take(int device, uint64_t bytes) {
+std::shared_ptr<cuda::PinnedMemory> HostRelay::take(int device, uint64_t bytes) {
   const uint64_t size = sizeClass(bytes);
   std::unique_ptr<cuda::PinnedMemory> memory = cache_->reuse(size);
   if (!memory) memory = std::make_unique<cuda::PinnedMemory>(device, size);
@@ -100,7 +100,7 @@ std::shared_ptr<cuda::PinnedMemory> HostStaging::take(int device, uint64_t bytes
       });
 }
 
-cuda::Stream& HostStaging::streamOf(Streams& streams, int device, const char* direction) {
+cuda::Stream& HostRelay::streamOf(Streams& streams, int device, const char* direction) {
   auto& stream = streams[device];
   if (!stream) {
     stream = std::make_unique<cuda::Stream>(device);
@@ -109,7 +109,7 @@ cuda::Stream& HostStaging::streamOf(Streams& streams, int device, const char* di
   return *stream;
 }
 
-std::shared_ptr<cuda::Event> HostStaging::copy(Streams& streams, int device, const char* direction,
+std::shared_ptr<cuda::Event> HostRelay::copy(Streams& streams, int device, const char* direction,
                                                const void* to, const void* from,
                                                uint64_t bytes) {
   std::lock_guard<std::mutex> lock(streamsMutex_);
@@ -121,7 +121,7 @@ std::shared_ptr<cuda::Event> HostStaging::copy(Streams& streams, int device, con
   return copied;
 }
 
-std::shared_ptr<cuda::Event> HostStaging::copyToDevice(const cuda::PinnedMemory& from,
+std::shared_ptr<cuda::Event> HostRelay::copyToDevice(const cuda::PinnedMemory& from,
                                                        const Buffer& to, uint64_t offset,
                                                        uint64_t bytes) {
   return copy(toDevice_, to.device, kToDevice,
@@ -129,51 +129,51 @@ std::shared_ptr<cuda::Event> HostStaging::copyToDevice(const cuda::PinnedMemory&
               bytes);
 }
 
-void HostStaging::copyToDeviceAfter(int device, const cuda::Event& event) {
+void HostRelay::copyToDeviceAfter(int device, const cuda::Event& event) {
   std::lock_guard<std::mutex> lock(streamsMutex_);
   event.waitOn(streamOf(toDevice_, device, kToDevice).handle());
 }
 
-void HostStaging::recordAfterCopiesToDevice(int device, cuda::Event& event) {
+void HostRelay::recordAfterCopiesToDevice(int device, cuda::Event& event) {
   std::lock_guard<std::mutex> lock(streamsMutex_);
   event.record(streamOf(toDevice_, device, kToDevice).handle());
 }
 
-void HostStaging::copyOutInPieces(const CallerStaging& staging, cuda::FlagSegment& flags) {
+void HostRelay::copyOutInPieces(const CallerRelay& relay, cuda::FlagSegment& flags) {
   std::lock_guard<std::mutex> lock(streamsMutex_);
-  const CUstream stream = streamOf(toHost_, staging.device, kToHost).handle();
-  cuda::ContextGuard context(staging.device);
-  staging.reached->waitOn(stream);
-  void* progress = flags.cudaAddress(staging.progress.index);
-  for (uint32_t piece = 0; piece < staging.pieces; ++piece) {
-    const PieceSpan span = spanOf(staging, piece);
-    copyOn(stream, staging.device, kToHost, addressIn(staging.host->data(), span.offset),
-           addressIn(staging.data, span.offset), span.bytes);
-    cuda::writeWord(stream, progress, staging.progress.value + piece,
-                    "cuStreamWriteValue32 (staged piece out)");
+  const CUstream stream = streamOf(toHost_, relay.device, kToHost).handle();
+  cuda::ContextGuard context(relay.device);
+  relay.reached->waitOn(stream);
+  void* progress = flags.cudaAddress(relay.progress.index);
+  for (uint32_t piece = 0; piece < relay.pieces; ++piece) {
+    const PieceSpan span = spanOf(relay, piece);
+    copyOn(stream, relay.device, kToHost, addressIn(relay.host->data(), span.offset),
+           addressIn(relay.data, span.offset), span.bytes);
+    cuda::writeWord(stream, progress, relay.progress.value + piece,
+                    "cuStreamWriteValue32 (relayed piece out)");
   }
-  staging.copied->record(stream);
+  relay.copied->record(stream);
 }
 
-void HostStaging::copyInAsPiecesLand(const CallerStaging& staging, cuda::FlagSegment& flags) {
+void HostRelay::copyInAsPiecesLand(const CallerRelay& relay, cuda::FlagSegment& flags) {
   std::lock_guard<std::mutex> lock(streamsMutex_);
-  const CUstream stream = streamOf(toDevice_, staging.device, kToDevice).handle();
-  cuda::ContextGuard context(staging.device);
-  staging.reached->waitOn(stream);
-  void* landed = flags.cudaAddress(staging.progress.index);
-  for (uint32_t piece = 0; piece < staging.pieces; ++piece) {
-    const PieceSpan span = spanOf(staging, piece);
-    cuda::waitAtLeast(stream, landed, staging.progress.value + piece,
-                      "cuStreamWaitValue32 (staged piece landed)");
-    copyOn(stream, staging.device, kToDevice, addressIn(staging.data, span.offset),
-           addressIn(staging.host->data(), span.offset), span.bytes);
+  const CUstream stream = streamOf(toDevice_, relay.device, kToDevice).handle();
+  cuda::ContextGuard context(relay.device);
+  relay.reached->waitOn(stream);
+  void* landed = flags.cudaAddress(relay.progress.index);
+  for (uint32_t piece = 0; piece < relay.pieces; ++piece) {
+    const PieceSpan span = spanOf(relay, piece);
+    cuda::waitAtLeast(stream, landed, relay.progress.value + piece,
+                      "cuStreamWaitValue32 (relayed piece landed)");
+    copyOn(stream, relay.device, kToDevice, addressIn(relay.data, span.offset),
+           addressIn(relay.host->data(), span.offset), span.bytes);
   }
-  cuda::writeWord(stream, flags.cudaAddress(staging.copiedIn.index), staging.copiedIn.value,
-                  "cuStreamWriteValue32 (staged copies in)");
-  staging.copied->record(stream);
+  cuda::writeWord(stream, flags.cudaAddress(relay.copiedIn.index), relay.copiedIn.value,
+                  "cuStreamWriteValue32 (relayed copies in)");
+  relay.copied->record(stream);
 }
 
-uint64_t HostStaging::cachedBytes() const {
+uint64_t HostRelay::cachedBytes() const {
   std::lock_guard<std::mutex> lock(cache_->mutex);
   return cache_->idleBytes;
 }

@@ -26,9 +26,9 @@ namespace smfree::engine {
 // deliver the bytes) or refuses it (Refusal); a side that gives up tells the other
 // (Cancellation). Owns the groups, as the progress thread sees them, and the live ops, whose
 // state (OpState) changes in transition() alone. Progress thread only.
-class Rendezvous {
+class OpControl {
  public:
-  Rendezvous(Channels& channels, PeerTable& peers, Failures& failures,
+  OpControl(Channels& channels, PeerTable& peers, Failures& failures,
              const ProgressThread& thread);
 
   void registerGroup(std::shared_ptr<const GroupConfig> config);

@@ -1,4 +1,4 @@
-#include "engine/Rendezvous.h"
+#include "engine/OpControl.h"
 
 #include <algorithm>
 #include <sstream>
@@ -17,7 +17,7 @@ int64_t millisSince(Clock::time_point then, Clock::time_point now) {
 std::string crossHostCuda(const Op& op, const Peer& peer) {
   return concat(op.describe(), " failed: rank ", op.partner(), " (", peer.describe(),
                 ") is on another host, out of reach of the copy engines "
-                "(SMFREE_TRANSPORT=copy_engine); use auto or ucx");
+                "(SMFREE_CHANNEL=copy_engine); use auto or ucx");
 }
 
 const char* channelName(ChannelKind kind) {
@@ -43,7 +43,7 @@ std::string mismatchMessage(const GroupConfig& group, const ReadyToSend& send, c
                 ", which receives into ", recv.request.desc.describe());
 }
 
-// The moves Rendezvous::transition() makes: one step forward, or to kEnded from any state
+// The moves OpControl::transition() makes: one step forward, or to kEnded from any state
 // before it; to kReleased only once no channel holds the buffer.
 bool allowed(const Op& op, OpState next) {
   switch (next) {
@@ -67,12 +67,12 @@ constexpr size_t kMaxOrphans = 1 << 16;
 
 }  // namespace
 
-Rendezvous::Rendezvous(Channels& channels, PeerTable& peers, Failures& failures,
+OpControl::OpControl(Channels& channels, PeerTable& peers, Failures& failures,
                        const ProgressThread& thread)
     : channels_(channels), peers_(peers), failures_(failures), thread_(thread) {}
 
-void Rendezvous::shutDown() {
-  thread_.check("Rendezvous::shutDown");
+void OpControl::shutDown() {
+  thread_.check("OpControl::shutDown");
   std::vector<std::shared_ptr<Op>> left;
   for (const auto& [id, op] : live_) left.push_back(op);
   for (const std::shared_ptr<Op>& op : left) {
@@ -83,8 +83,8 @@ void Rendezvous::shutDown() {
   groups_.clear();
 }
 
-void Rendezvous::registerGroup(std::shared_ptr<const GroupConfig> config) {
-  thread_.check("Rendezvous::registerGroup");
+void OpControl::registerGroup(std::shared_ptr<const GroupConfig> config) {
+  thread_.check("OpControl::registerGroup");
   const uint64_t id = groupIdOf(config->name);
   auto existing = groups_.find(id);
   if (existing != groups_.end() && !existing->second.closed) {
@@ -108,8 +108,8 @@ void Rendezvous::registerGroup(std::shared_ptr<const GroupConfig> config) {
   }
 }
 
-void Rendezvous::closeGroup(uint64_t groupId, StatusCode code, const std::string& reason) {
-  thread_.check("Rendezvous::closeGroup");
+void OpControl::closeGroup(uint64_t groupId, StatusCode code, const std::string& reason) {
+  thread_.check("OpControl::closeGroup");
   GroupState* group = findGroup(groupId);
   if (!group || group->closed) {
     return;
@@ -136,8 +136,8 @@ void Rendezvous::closeGroup(uint64_t groupId, StatusCode code, const std::string
   });
 }
 
-size_t Rendezvous::releasedOpsInFlight(std::optional<uint64_t> groupId) {
-  thread_.check("Rendezvous::releasedOpsInFlight");
+size_t OpControl::releasedOpsInFlight(std::optional<uint64_t> groupId) {
+  thread_.check("OpControl::releasedOpsInFlight");
   size_t count = 0;
   for (const auto& [id, op] : live_) {
     if (groupId && op->groupId != *groupId) continue;
@@ -146,8 +146,8 @@ size_t Rendezvous::releasedOpsInFlight(std::optional<uint64_t> groupId) {
   return count;
 }
 
-std::string Rendezvous::dumpPending(uint64_t groupId) {
-  thread_.check("Rendezvous::dumpPending");
+std::string OpControl::dumpPending(uint64_t groupId) {
+  thread_.check("OpControl::dumpPending");
   const auto now = Clock::now();
   std::ostringstream out;
   size_t count = 0;
@@ -180,7 +180,7 @@ std::string Rendezvous::dumpPending(uint64_t groupId) {
   return concat(count, " pending:\n", out.str());
 }
 
-std::optional<Status> Rendezvous::refusalAtStart(const Op& op, const GroupState* group) {
+std::optional<Status> OpControl::refusalAtStart(const Op& op, const GroupState* group) {
   if (!group || group->closed) {
     return Status::failure(StatusCode::kAborted,
                            concat(op.describe(), " failed: the group is closed"));
@@ -201,8 +201,8 @@ std::optional<Status> Rendezvous::refusalAtStart(const Op& op, const GroupState*
   return std::nullopt;
 }
 
-void Rendezvous::startOp(const std::shared_ptr<Op>& op) {
-  thread_.check("Rendezvous::startOp");
+void OpControl::startOp(const std::shared_ptr<Op>& op) {
+  thread_.check("OpControl::startOp");
   // A channel may hold the op back (UCX's commitments); it starts it here again later.
   if (!channels_.admit(op)) return;
   GroupState* group = findGroup(op->groupId);
@@ -242,8 +242,8 @@ void Rendezvous::startOp(const std::shared_ptr<Op>& op) {
   }
 }
 
-void Rendezvous::onReadyToSend(const ReadyToSend& message) {
-  thread_.check("Rendezvous::onReadyToSend");
+void OpControl::onReadyToSend(const ReadyToSend& message) {
+  thread_.check("OpControl::onReadyToSend");
   GroupState* group = findGroup(message.group);
   if (!group) {
     if (orphanCount_ >= kMaxOrphans) {
@@ -269,7 +269,7 @@ void Rendezvous::onReadyToSend(const ReadyToSend& message) {
   announceOrFail(*group, message);
 }
 
-bool Rendezvous::rankInGroup(const GroupState& group, const ReadyToSend& message) {
+bool OpControl::rankInGroup(const GroupState& group, const ReadyToSend& message) {
   try {
     checkBelow(message.kName, "source rank", message.source, group.peers.size());
     return true;
@@ -281,7 +281,7 @@ bool Rendezvous::rankInGroup(const GroupState& group, const ReadyToSend& message
   }
 }
 
-void Rendezvous::announceOrFail(GroupState& group, ReadyToSend message) {
+void OpControl::announceOrFail(GroupState& group, ReadyToSend message) {
   std::vector<Matcher::Match> matches;
   try {
     matches = group.matcherFor(message.channel).announce(message);
@@ -299,7 +299,7 @@ void Rendezvous::announceOrFail(GroupState& group, ReadyToSend message) {
   for (Matcher::Match& match : matches) onMatched(group, match);
 }
 
-Peer* Rendezvous::replier(uint64_t groupId, const char* message, int rank) {
+Peer* OpControl::replier(uint64_t groupId, const char* message, int rank) {
   GroupState* group = findGroup(groupId);
   if (!group) return nullptr;  // closed and forgotten, or never joined: nothing to act on
   try {
@@ -312,7 +312,7 @@ Peer* Rendezvous::replier(uint64_t groupId, const char* message, int rank) {
   return group->peers[rank];
 }
 
-void Rendezvous::badValueFrom(Peer& peer, const BadPeerValue& error) {
+void OpControl::badValueFrom(Peer& peer, const BadPeerValue& error) {
   // "its peer process (pid 4242 on host n1) sent a bad ready flag index in a ...: ..."
   const std::string why = concat("its peer process (", peer.describe(), ") sent a ",
                                  reasonOf(error));
@@ -320,7 +320,7 @@ void Rendezvous::badValueFrom(Peer& peer, const BadPeerValue& error) {
   failOpsWith(peer, StatusCode::kTransport, why);
 }
 
-void Rendezvous::failOpsWith(Peer& peer, StatusCode code, const std::string& why) {
+void OpControl::failOpsWith(Peer& peer, StatusCode code, const std::string& why) {
   std::vector<std::shared_ptr<Op>> affected;
   for (auto& [id, op] : live_) {
     if (!op->finished() && partnerOf(*op) == &peer) affected.push_back(op);
@@ -332,11 +332,11 @@ void Rendezvous::failOpsWith(Peer& peer, StatusCode code, const std::string& why
   }
 }
 
-bool Rendezvous::isOwnOp(const Op& op, uint64_t groupId, int partner, OpKind kind) {
+bool OpControl::isOwnOp(const Op& op, uint64_t groupId, int partner, OpKind kind) {
   return op.request.kind == kind && op.groupId == groupId && op.partner() == partner;
 }
 
-std::optional<Rendezvous::MatchRefusal> Rendezvous::refusalOfMatch(const GroupState& group,
+std::optional<OpControl::MatchRefusal> OpControl::refusalOfMatch(const GroupState& group,
                                                                    const Matcher::Match& match,
                                                                    const Peer& sender) {
   const Op& recv = *match.recv;
@@ -362,13 +362,13 @@ std::optional<Rendezvous::MatchRefusal> Rendezvous::refusalOfMatch(const GroupSt
                rts.source, " sends ", rts.desc.describe(), " over ", channelName(rts.channel),
                ", rank ", group.config->rank, " receives into ", recv.request.desc.describe(),
                " over ", channelName(recv.channel),
-               " (SMFREE_TRANSPORT must be alike on every rank)");
+               " (SMFREE_CHANNEL must be alike on every rank)");
     return MatchRefusal{Status::failure(StatusCode::kMismatch, why), true};
   }
   return std::nullopt;
 }
 
-void Rendezvous::onMatched(GroupState& group, Matcher::Match& match) {
+void OpControl::onMatched(GroupState& group, Matcher::Match& match) {
   const std::shared_ptr<Op>& recv = match.recv;
   const ReadyToSend& rts = match.announcement.rts;
   Peer* sender = group.peers[rts.source];
@@ -426,8 +426,8 @@ void Rendezvous::onMatched(GroupState& group, Matcher::Match& match) {
   recv->channelOp->start(recv, *sender, {}, rts.promised);
 }
 
-void Rendezvous::onClearToSend(const ClearToSend& message) {
-  thread_.check("Rendezvous::onClearToSend");
+void OpControl::onClearToSend(const ClearToSend& message) {
+  thread_.check("OpControl::onClearToSend");
   Peer* receiver = replier(message.group, message.kName, message.receiver);
   if (!receiver) return;
   GroupState* group = findGroup(message.group);
@@ -479,8 +479,8 @@ void Rendezvous::onClearToSend(const ClearToSend& message) {
   }
 }
 
-void Rendezvous::onRefusal(const Refusal& message) {
-  thread_.check("Rendezvous::onRefusal");
+void OpControl::onRefusal(const Refusal& message) {
+  thread_.check("OpControl::onRefusal");
   Peer* receiver = replier(message.group, message.kName, message.receiver);
   if (!receiver) return;
   std::shared_ptr<Op> send = findLive(message.sendId);
@@ -494,8 +494,8 @@ void Rendezvous::onRefusal(const Refusal& message) {
   failOp(send, message.code, message.reason);
 }
 
-void Rendezvous::onCancellation(const Cancellation& message) {
-  thread_.check("Rendezvous::onCancellation");
+void OpControl::onCancellation(const Cancellation& message) {
+  thread_.check("OpControl::onCancellation");
   if (message.recvId != 0) {
     std::shared_ptr<Op> recv = findLive(message.recvId);
     if (!recv) {
@@ -522,14 +522,14 @@ void Rendezvous::onCancellation(const Cancellation& message) {
   }
 }
 
-void Rendezvous::onTransferDone(const std::shared_ptr<Op>& op, const Status& status) {
-  thread_.check("Rendezvous::onTransferDone");
+void OpControl::onTransferDone(const std::shared_ptr<Op>& op, const Status& status) {
+  thread_.check("OpControl::onTransferDone");
   transition(op, OpState::kEnded, status);
   transition(op, OpState::kReleased);
 }
 
-void Rendezvous::peerFailed(Peer& peer, const std::string& why) {
-  thread_.check("Rendezvous::peerFailed");
+void OpControl::peerFailed(Peer& peer, const std::string& why) {
+  thread_.check("OpControl::peerFailed");
   bool waiting = false;
   for (auto& [id, op] : live_) waiting = waiting || (!op->finished() && partnerOf(*op) == &peer);
   // A peer leaving after every group with it closed is a normal exit.
@@ -538,8 +538,8 @@ void Rendezvous::peerFailed(Peer& peer, const std::string& why) {
   failOpsWith(peer, StatusCode::kPeerFailure, peer.failure);
 }
 
-void Rendezvous::expireOps(Clock::time_point now) {
-  thread_.check("Rendezvous::expireOps");
+void OpControl::expireOps(Clock::time_point now) {
+  thread_.check("OpControl::expireOps");
   std::vector<std::shared_ptr<Op>> expired;
   for (auto& [id, op] : live_) {
     if (!op->finished() && now >= op->deadline) expired.push_back(op);
@@ -555,21 +555,21 @@ void Rendezvous::expireOps(Clock::time_point now) {
   }
 }
 
-void Rendezvous::probeSilentPeers(Clock::time_point now) {
-  thread_.check("Rendezvous::probeSilentPeers");
+void OpControl::probeSilentPeers(Clock::time_point now) {
+  thread_.check("OpControl::probeSilentPeers");
   for (const auto& [id, op] : live_) {
     if (op->finished()) continue;
     if (Peer* peer = partnerOf(*op)) peers_.probeIfSilent(*peer, now);
   }
 }
 
-Peer* Rendezvous::peerOf(uint64_t groupId, int rank) {
+Peer* OpControl::peerOf(uint64_t groupId, int rank) {
   GroupState* group = findGroup(groupId);
   if (!group || rank < 0 || rank >= static_cast<int>(group->peers.size())) return nullptr;
   return group->peers[rank];
 }
 
-std::string Rendezvous::timeoutMessage(const Op& op, Clock::time_point now) {
+std::string OpControl::timeoutMessage(const Op& op, Clock::time_point now) {
   const int64_t age = millisSince(op.posted, now);
   const int64_t limit = millisSince(op.posted, op.deadline);
   const bool moving = op.state == OpState::kMoving;
@@ -586,7 +586,7 @@ std::string Rendezvous::timeoutMessage(const Op& op, Clock::time_point now) {
                 " within the group timeout of ", limit, " ms (posted ", age, " ms ago)");
 }
 
-void Rendezvous::expire(const std::shared_ptr<Op>& op, Clock::time_point now) {
+void OpControl::expire(const std::shared_ptr<Op>& op, Clock::time_point now) {
   const bool moving = op->state == OpState::kMoving;
   const std::string why = timeoutMessage(*op, now);
   failOp(op, StatusCode::kTimeout, why);
@@ -602,11 +602,11 @@ void Rendezvous::expire(const std::shared_ptr<Op>& op, Clock::time_point now) {
   }
 }
 
-void Rendezvous::failOp(const std::shared_ptr<Op>& op, StatusCode code, std::string why) {
+void OpControl::failOp(const std::shared_ptr<Op>& op, StatusCode code, std::string why) {
   transition(op, OpState::kEnded, Status::failure(code, std::move(why)));
 }
 
-bool Rendezvous::transition(const std::shared_ptr<Op>& op, OpState next, const Status& status) {
+bool OpControl::transition(const std::shared_ptr<Op>& op, OpState next, const Status& status) {
   if (!allowed(*op, next)) {
     return false;
   }
@@ -633,7 +633,7 @@ bool Rendezvous::transition(const std::shared_ptr<Op>& op, OpState next, const S
   return true;
 }
 
-void Rendezvous::discardAnnounced(GroupState& group, const ReadyToSend& rts, Op* recv) {
+void OpControl::discardAnnounced(GroupState& group, const ReadyToSend& rts, Op* recv) {
   if (rts.channelData.empty()) return;
   Peer* sender = rts.source >= 0 && rts.source < static_cast<int>(group.peers.size())
                      ? group.peers[rts.source]
@@ -644,7 +644,7 @@ void Rendezvous::discardAnnounced(GroupState& group, const ReadyToSend& rts, Op*
   }
 }
 
-void Rendezvous::keepPlace(const std::shared_ptr<Op>& op, GroupState* group,
+void OpControl::keepPlace(const std::shared_ptr<Op>& op, GroupState* group,
                            const std::string& why) {
   // The op was numbered in its line at its post. Where the partner can still be told, it keeps
   // that place, as one that timed out does, so later messages of the line are not shifted: a
@@ -663,19 +663,19 @@ void Rendezvous::keepPlace(const std::shared_ptr<Op>& op, GroupState* group,
   }
 }
 
-GroupState* Rendezvous::findGroup(uint64_t groupId) {
+GroupState* OpControl::findGroup(uint64_t groupId) {
   auto it = groups_.find(groupId);
   return it == groups_.end() ? nullptr : &it->second;
 }
 
-std::shared_ptr<Op> Rendezvous::findLive(uint64_t opId) {
+std::shared_ptr<Op> OpControl::findLive(uint64_t opId) {
   auto it = live_.find(opId);
   return it == live_.end() ? nullptr : it->second;
 }
 
-Peer* Rendezvous::partnerOf(const Op& op) { return peerOf(op.groupId, op.partner()); }
+Peer* OpControl::partnerOf(const Op& op) { return peerOf(op.groupId, op.partner()); }
 
-bool Rendezvous::referencedByOpenGroup(const Peer& peer) const {
+bool OpControl::referencedByOpenGroup(const Peer& peer) const {
   for (const auto& [id, group] : groups_) {
     if (group.closed) continue;
     for (const Peer* member : group.peers) {

@@ -14,26 +14,26 @@
 
 namespace smfree::engine {
 
-// A staged buffer's pieces: their size (0 for one piece) as `preferred` allows, and count.
-constexpr uint64_t kMostStagingPieces = uint64_t{1} << 20;
-uint64_t stagingPieceBytes(uint64_t bytes, uint64_t preferred);
-uint64_t stagingPieceCount(uint64_t bytes, uint64_t pieceBytes);
+// A relayed buffer's pieces: their size (0 for one piece) as `preferred` allows, and count.
+constexpr uint64_t kMostRelayPieces = uint64_t{1} << 20;
+uint64_t relayPieceBytes(uint64_t bytes, uint64_t preferred);
+uint64_t relayPieceCount(uint64_t bytes, uint64_t pieceBytes);
 
 // Copies between CUDA buffers and page-locked host memory on the copy engines, for UCX
 // paths that move host memory faster than CUDA memory. Over TCP, UCX copies CUDA memory in
 // pieces of one TCP segment, each copy synchronous ("fragmented copy-in copy-out"): a 16 MiB
 // exchange between two H200s took 18 ms that way and 8 ms from pinned host memory.
 // Thread-safe: the progress thread and callers' threads queue copies.
-class HostStaging {
+class HostRelay {
  public:
-  HostStaging();
-  HostStaging(const HostStaging&) = delete;
-  HostStaging& operator=(const HostStaging&) = delete;
+  HostRelay();
+  HostRelay(const HostRelay&) = delete;
+  HostRelay& operator=(const HostRelay&) = delete;
 
   // Host memory of at least `bytes`, allocated in `device`'s context when the cache has none
   // of its size class; it goes back to the cache when its last holder drops it.
   std::shared_ptr<cuda::PinnedMemory> take(int device, uint64_t bytes);
-  // A recv from any source, staged by the progress thread: queues the copy of `bytes` at
+  // A recv from any source, relayed by the progress thread: queues the copy of `bytes` at
   // `offset` of the host memory to the same offset of the buffer on the device's copy-in
   // stream; the returned event is recorded after it.
   std::shared_ptr<cuda::Event> copyToDevice(const cuda::PinnedMemory& from, const Buffer& to,
@@ -42,13 +42,13 @@ class HostStaging {
   void copyToDeviceAfter(int device, const cuda::Event& event);
   // Records `event` after the copies queued so far for `device`.
   void recordAfterCopiesToDevice(int device, cuda::Event& event);
-  // A caller-staged send (CallerStaging): its copies out, piece by piece, after `reached`;
+  // A caller-relayed send (CallerRelay): its copies out, piece by piece, after `reached`;
   // the stream raises `progress` after each, and records `copied` after the last.
-  void copyOutInPieces(const CallerStaging& staging, cuda::FlagSegment& flags);
-  // A caller-staged recv: its copies in, each after its piece has landed (the stream waits
+  void copyOutInPieces(const CallerRelay& relay, cuda::FlagSegment& flags);
+  // A caller-relayed recv: its copies in, each after its piece has landed (the stream waits
   // for `progress`) and after `reached`; then the stream writes `copiedIn` and records
   // `copied`.
-  void copyInAsPiecesLand(const CallerStaging& staging, cuda::FlagSegment& flags);
+  void copyInAsPiecesLand(const CallerRelay& relay, cuda::FlagSegment& flags);
   uint64_t cachedBytes() const;
 
  private:

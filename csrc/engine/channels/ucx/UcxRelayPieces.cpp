@@ -1,4 +1,4 @@
-// Pieces of a CUDA op staged through pinned host memory (HostStaging): a send's copied out
+// Pieces of a CUDA op relayed through pinned host memory (HostRelay): a send's copied out
 // and transmitted in order, a recv's copied in as they land.
 
 
@@ -17,22 +17,22 @@ Status copyFailure(const Op& op, const Error& error) {
 }  // namespace
 
 void UcxChannel::releaseWaitingCopiesIn(Movement& movement) {
-  if (!movement.callerStaging || movement.isSend()) return;
-  CallerStaging& staging = *movement.callerStaging;
-  int state = CallerStaging::kCopiesInOpen;
-  if (staging.copiesIn.compare_exchange_strong(state, CallerStaging::kCopiesInNever)) return;
+  if (!movement.callerRelay || movement.isSend()) return;
+  CallerRelay& relay = *movement.callerRelay;
+  int state = CallerRelay::kCopiesInOpen;
+  if (relay.copiesIn.compare_exchange_strong(state, CallerRelay::kCopiesInNever)) return;
   // Its caller's stream waits for pieces that will not land now: let the copies run over
   // what is there, so the stream goes on; the op reports the failure.
-  flags_.set(staging.lastPiece());
+  flags_.set(relay.lastPiece());
 }
 
 bool UcxChannel::countCopiedOut(Movement& movement) {
-  const CallerStaging& staging = *movement.callerStaging;
-  const uint32_t word = flags_.wordOf(staging.progress);
-  if (!cuda::reached(word, staging.progress.value)) return false;
-  const uint64_t out = std::min<uint64_t>(word - staging.progress.value + 1, staging.pieces);
+  const CallerRelay& relay = *movement.callerRelay;
+  const uint32_t word = flags_.wordOf(relay.progress);
+  if (!cuda::reached(word, relay.progress.value)) return false;
+  const uint64_t out = std::min<uint64_t>(word - relay.progress.value + 1, relay.pieces);
   const uint64_t copiedOut =
-      staging.pieceBytes == 0 ? staging.bytes : std::min(out * staging.pieceBytes, staging.bytes);
+      relay.pieceBytes == 0 ? relay.bytes : std::min(out * relay.pieceBytes, relay.bytes);
   if (copiedOut == movement.copiedOut) return false;
   movement.copiedOut = copiedOut;
   return true;
@@ -59,11 +59,11 @@ bool UcxChannel::copyInLandedPieces(Movement& movement) {
   try {
     // The copies wait on the GPU for the caller's stream to free the buffer, not the CPU.
     if (movement.copiesInQueued == 0) {
-      staging_.copyToDeviceAfter(buffer.device, *state.reached);
+      relay_.copyToDeviceAfter(buffer.device, *state.reached);
     }
     for (uint32_t piece = 0; piece < pieces.size(); ++piece) {
       if (pieces[piece] != PieceState::kLanded) continue;
-      movement.copies[piece] = staging_.copyToDevice(*movement.host, buffer,
+      movement.copies[piece] = relay_.copyToDevice(*movement.host, buffer,
                                                      movement.offsetOf(piece),
                                                      movement.bytesOf(piece));
       pieces[piece] = PieceState::kCopying;
@@ -71,7 +71,7 @@ bool UcxChannel::copyInLandedPieces(Movement& movement) {
     }
     if (movement.copiesInQueued == pieces.size()) {
       // From here the caller's stream, not its CPU, waits for the bytes.
-      staging_.recordAfterCopiesToDevice(buffer.device, *state.copied);
+      relay_.recordAfterCopiesToDevice(buffer.device, *state.copied);
       flags_.set(state.queued);
     }
   } catch (const Error& error) {
@@ -95,16 +95,16 @@ bool UcxChannel::countCopiedInPieces(Movement& movement) {
 }
 
 void UcxChannel::markLanded(Movement& movement, uint32_t piece) {
-  movement.landedOnLane[piece] = 1;
+  movement.landedOnWorker[piece] = 1;
   const uint32_t before = movement.landedInOrder;
-  while (movement.landedInOrder < movement.landedOnLane.size() &&
-         movement.landedOnLane[movement.landedInOrder]) {
+  while (movement.landedInOrder < movement.landedOnWorker.size() &&
+         movement.landedOnWorker[movement.landedInOrder]) {
     ++movement.landedInOrder;
   }
-  // Straight from the receive lane: the copies in that wait for it do not depend on the
+  // Straight from the receive worker: the copies in that wait for it do not depend on the
   // progress thread.
   if (movement.landedInOrder > before) {
-    flags_.set(movement.callerStaging->progress.plus(movement.landedInOrder - 1));
+    flags_.set(movement.callerRelay->progress.plus(movement.landedInOrder - 1));
   }
 }
 

@@ -25,12 +25,12 @@ namespace smfree::engine {
 // to 1.22) checks whether a request has completed before it takes the worker's lock, so a
 // request that completed here in between made ucp_request_cancel fail its assertion that the
 // request is not complete, and abort the process.
-class UcxReceiveLane {
+class UcxReceiveWorker {
  public:
-  UcxReceiveLane(const UcxContext& context, const Spin& spin);
-  ~UcxReceiveLane();
-  UcxReceiveLane(const UcxReceiveLane&) = delete;
-  UcxReceiveLane& operator=(const UcxReceiveLane&) = delete;
+  UcxReceiveWorker(const UcxContext& context, const Spin& spin);
+  ~UcxReceiveWorker();
+  UcxReceiveWorker(const UcxReceiveWorker&) = delete;
+  UcxReceiveWorker& operator=(const UcxReceiveWorker&) = delete;
 
   UcxWorker& worker() { return worker_; }
   // Cancels recvs posted on the worker whose completions the caller has not applied yet (so
