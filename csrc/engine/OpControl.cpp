@@ -196,7 +196,7 @@ std::optional<Status> OpControl::refusalAtStart(const Op& op, const GroupState* 
                                   peer ? peer->failure : "the peer is not connected"));
   }
   if (!channels_.of(op).reaches(*peer)) {
-    return Status::failure(StatusCode::kTransport, crossHostCuda(op, *peer));
+    return Status::failure(StatusCode::kChannel, crossHostCuda(op, *peer));
   }
   return std::nullopt;
 }
@@ -228,7 +228,7 @@ void OpControl::startOp(const std::shared_ptr<Op>& op) {
       announcement = op->channelOp->announce(op, peer);
     } catch (const Error& error) {
       // Announced all the same, and cancelled: its receiver's line keeps its place.
-      failOp(op, StatusCode::kTransport, error.what());
+      failOp(op, StatusCode::kChannel, error.what());
       keepPlace(op, group, error.what());
       return;
     }
@@ -317,7 +317,7 @@ void OpControl::badValueFrom(Peer& peer, const BadPeerValue& error) {
   const std::string why = concat("its peer process (", peer.describe(), ") sent a ",
                                  reasonOf(error));
   log(LogLevel::kError, why);
-  failOpsWith(peer, StatusCode::kTransport, why);
+  failOpsWith(peer, StatusCode::kChannel, why);
 }
 
 void OpControl::failOpsWith(Peer& peer, StatusCode code, const std::string& why) {
@@ -343,7 +343,7 @@ std::optional<OpControl::MatchRefusal> OpControl::refusalOfMatch(const GroupStat
   const ReadyToSend& rts = match.announcement.rts;
   const bool compatible = rts.desc.compatibleWith(recv.request.desc);
   if (!channels_.of(recv).reaches(sender) && compatible) {
-    return MatchRefusal{Status::failure(StatusCode::kTransport, crossHostCuda(recv, sender)), true};
+    return MatchRefusal{Status::failure(StatusCode::kChannel, crossHostCuda(recv, sender)), true};
   }
   if (match.announcement.cancelled) {
     return MatchRefusal{Status::failure(StatusCode::kTimeout,
@@ -374,7 +374,7 @@ void OpControl::onMatched(GroupState& group, Matcher::Match& match) {
   Peer* sender = group.peers[rts.source];
   if (!sender) {
     // Cannot happen for a specific recv (it connects first); any-source recvs connect to all.
-    failOp(recv, StatusCode::kTransport,
+    failOp(recv, StatusCode::kChannel,
            concat(recv->describe(), " matched rank ", rts.source,
                   ", which it is not connected to"));
     return;
@@ -413,13 +413,13 @@ void OpControl::onMatched(GroupState& group, Matcher::Match& match) {
     discardAnnounced(group, rts, recv.get());
     badValueFrom(*sender, error);  // the recv with the others of that peer
     peers_.send(*sender, Refusal{group.id, group.config->rank, rts.sendId,
-                                 StatusCode::kTransport, error.what()});
+                                 StatusCode::kChannel, error.what()});
     return;
   } catch (const Error& error) {
     discardAnnounced(group, rts, recv.get());
-    failOp(recv, StatusCode::kTransport, error.what());
+    failOp(recv, StatusCode::kChannel, error.what());
     peers_.send(*sender, Refusal{group.id, group.config->rank, rts.sendId,
-                                 StatusCode::kTransport, error.what()});
+                                 StatusCode::kChannel, error.what()});
     return;
   }
   peers_.send(*sender, clear);
@@ -472,7 +472,7 @@ void OpControl::onClearToSend(const ClearToSend& message) {
                                         concat("the matching send refused its clear-to-send: ",
                                                reasonOf(error))});
   } catch (const Error& error) {
-    failOp(send, StatusCode::kTransport, error.what());
+    failOp(send, StatusCode::kChannel, error.what());
     // Its receiver is armed for bytes that will not come: it fails now, not at its timeout.
     peers_.send(*receiver, Cancellation{message.group, group->config->rank, 0, 0, message.recvId,
                                         concat("the matching send failed: ", error.what())});

@@ -11,7 +11,7 @@ enum class StatusCode {
   kTimeout,       // not matched or not finished within the group timeout
   kPeerFailure,   // the peer process is gone or its endpoint failed
   kAborted,       // the group was aborted or shut down
-  kTransport,     // the transport reported an error
+  kChannel,       // a channel failed to move the bytes
 };
 
 // Outcome of one point-to-point op; the message already names op, peer, tag and bytes.

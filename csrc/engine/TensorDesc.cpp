@@ -24,7 +24,7 @@ const char* toString(StatusCode code) {
     case StatusCode::kTimeout: return "timeout";
     case StatusCode::kPeerFailure: return "peer failure";
     case StatusCode::kAborted: return "aborted";
-    case StatusCode::kTransport: return "transport error";
+    case StatusCode::kChannel: return "channel error";
   }
   return "unknown";
 }

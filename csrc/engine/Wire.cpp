@@ -20,7 +20,7 @@ bool known(ChannelKind kind) {
 }
 bool known(StatusCode code) {
   return static_cast<int>(code) >= static_cast<int>(StatusCode::kOk) &&
-         static_cast<int>(code) <= static_cast<int>(StatusCode::kTransport);
+         static_cast<int>(code) <= static_cast<int>(StatusCode::kChannel);
 }
 const char* enumName(ChannelKind) { return "data channel"; }
 const char* enumName(StatusCode) { return "status code"; }

@@ -215,7 +215,7 @@ TEST(directDeviceFailure, "copy engine in-process: a device failure ends a queue
   node.fake.failDevice();
   CHECK(node.direct.progress());
   const Status* status = node.endOf(*send.op);
-  CHECK(status && status->code == StatusCode::kTransport);
+  CHECK(status && status->code == StatusCode::kChannel);
   CHECK(status && status->message.find("send on rank 0 to rank 1") != std::string::npos);
   CHECK(status && status->message.find("fake CUDA error 700") != std::string::npos);
   CHECK(!node.endOf(*recv.op));  // its `done` word is still to come

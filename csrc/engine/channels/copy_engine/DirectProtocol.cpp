@@ -117,7 +117,7 @@ bool DirectProtocol::finish(DirectSend& send) {
     state.produced->markReached();
   } catch (const Error& error) {
     // The device failed (a sticky CUDA error): the copy will not run.
-    status = Status::failure(StatusCode::kTransport,
+    status = Status::failure(StatusCode::kChannel,
                              concat(op.describe(), " failed: ", reasonOf(error)));
   }
   moveTo(send, status.ok() ? DirectSendState::kLanded : DirectSendState::kFailed);

@@ -205,7 +205,7 @@ bool EagerProtocol::fill(EagerSendTransfer& send) {
       context_.flags().set(state.queued);
       return true;
     } catch (const Error& error) {
-      context_.done(send.op, Status::failure(StatusCode::kTransport, std::string(reasonOf(error))));
+      context_.done(send.op, Status::failure(StatusCode::kChannel, std::string(reasonOf(error))));
     }
   }
   // Failed (its timeout, or its lane gone) before its slot was emptied: its copy is never
@@ -228,7 +228,7 @@ bool EagerProtocol::finish(EagerSendTransfer& send) {
     state.produced->markReached();
   } catch (const Error& error) {
     // The device failed (a sticky CUDA error): the copy will not run.
-    status = Status::failure(StatusCode::kTransport,
+    status = Status::failure(StatusCode::kChannel,
                              concat(op.describe(), " failed: ", reasonOf(error)));
   }
   // An unfilled send's op has ended (fill()).
@@ -253,7 +253,7 @@ bool EagerProtocol::copyOutOnceFull(EagerRecvTransfer& recv) {
                               context_.copyOutStream(recv.ring->device()));
       queued = true;
     } catch (const Error& error) {
-      context_.done(recv.op, Status::failure(StatusCode::kTransport, std::string(reasonOf(error))));
+      context_.done(recv.op, Status::failure(StatusCode::kChannel, std::string(reasonOf(error))));
     }
   } else if (!op.finished()) {
     return false;

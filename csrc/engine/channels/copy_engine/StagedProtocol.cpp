@@ -137,7 +137,7 @@ void StagedProtocol::onNotice(Peer& source, const std::string& data) {
     context_.enqueueCopyOut(*recv->op, ring, slot, stream);
   } catch (const Error& error) {
     if (recv) {
-      direct_.abandon(*recv, Status::failure(StatusCode::kTransport, error.what()));
+      direct_.abandon(*recv, Status::failure(StatusCode::kChannel, error.what()));
     } else {
       log(LogLevel::kError, "a staging slot from ", describePeer(source), " is lost: ",
           error.what());
@@ -173,7 +173,7 @@ bool StagedProtocol::advanceHeld() {
         direct_.submit(std::move(send.send));
       }
     } catch (const Error& error) {
-      context_.done(op, Status::failure(StatusCode::kTransport, error.what()));
+      context_.done(op, Status::failure(StatusCode::kChannel, error.what()));
     }
     advanced = true;
   }
@@ -190,7 +190,7 @@ bool StagedProtocol::finish(StagedSend& send) {
     state.produced->markReached();
   } catch (const Error& error) {
     // The device failed (a sticky CUDA error): the copy will not run.
-    status = Status::failure(StatusCode::kTransport,
+    status = Status::failure(StatusCode::kChannel,
                              concat(op.describe(), " failed: ", reasonOf(error)));
   }
   moveTo(send, status.ok() ? StagedSendState::kLanded : StagedSendState::kFailed);

@@ -92,7 +92,7 @@ void LoopbackPairing::exchange(LoopbackOp& send, LoopbackOp& recv, const Loopbac
     } catch (const Error& error) {
       if (pair->done) cudaOps_.flags().release(*pair->done);  // no stream will write it
       outcome = Status::failure(
-          StatusCode::kTransport,
+          StatusCode::kChannel,
           concat(send.op->describe(), ": the copy failed: ", reasonOf(error)));
     }
   }

@@ -21,7 +21,7 @@ Status transportFailure(const Op& op, const Peer& peer, ucs_status_t status) {
     return Status::failure(StatusCode::kPeerFailure,
                            concat(op.describe(), " failed: ", peer.failure));
   }
-  return Status::failure(StatusCode::kTransport,
+  return Status::failure(StatusCode::kChannel,
                          concat(op.describe(), " failed: UCX could not move its bytes ",
                                 op.isSend() ? "to" : "from", " its peer process (",
                                 peer.describe(), "): ", ucxPeerErrorText(status)));
@@ -156,7 +156,7 @@ void UcxChannel::finish(const Completion& completion) {
   if (completion.status != UCS_OK) {
     failure = transportFailure(*movement.op, *movement.peer, completion.status);
   } else if (!movement.isSend() && completion.length != movement.bytesOf(piece)) {
-    failure = Status::failure(StatusCode::kTransport,
+    failure = Status::failure(StatusCode::kChannel,
                               concat(movement.op->describe(), " received ", completion.length,
                                      " B in piece ", piece, " of ", movement.bytesOf(piece),
                                      " B"));

@@ -11,7 +11,7 @@ namespace smfree::engine {
 namespace {
 
 Status copyFailure(const Op& op, const Error& error) {
-  return Status::failure(StatusCode::kTransport, concat(op.describe(), ": ", error.what()));
+  return Status::failure(StatusCode::kChannel, concat(op.describe(), ": ", error.what()));
 }
 
 }  // namespace

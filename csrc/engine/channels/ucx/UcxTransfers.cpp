@@ -166,7 +166,7 @@ void UcxChannel::postPiece(Movement& movement, uint32_t piece) {
     std::unique_ptr<Transfer> back(owned);  // no callback will come
     movement.pieces[piece] = PieceState::kWaiting;
     movement.failure = Status::failure(
-        StatusCode::kTransport, concat("UCX could not post ", op.describe(), ": ",
+        StatusCode::kChannel, concat("UCX could not post ", op.describe(), ": ",
                                        ucxStatusText(UCS_PTR_STATUS(request))));
     return;
   }
