@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "engine/Channel.h"
+#include "engine/Error.h"
 #include "engine/Op.h"
 #include "engine/channels/copy_engine/CollectiveLanes.h"
 #include "engine/channels/copy_engine/DoneWord.h"
@@ -66,6 +67,21 @@ class CopyEngineOpHolder : public ChannelOp {
 
 inline CopyEngineOp& copyEngineOp(const Op& op) {
   return static_cast<CopyEngineOpHolder&>(*op.channelOp).state();
+}
+
+// How a send's copy went: nothing while it is still to run; else success, or the device's
+// failure (a sticky CUDA error: the copy will not run). The DMA stream waited for `produced`
+// before the copy that `copied` follows, so `produced` is reached too.
+inline std::optional<Status> sendCopyOutcome(const Op& op) {
+  const CopyEngineOp& state = copyEngineOp(op);
+  try {
+    if (!state.copied->reached()) return std::nullopt;
+    state.produced->markReached();
+    return Status::success();
+  } catch (const Error& error) {
+    return Status::failure(StatusCode::kChannel,
+                           concat(op.describe(), " failed: ", reasonOf(error)));
+  }
 }
 
 }  // namespace smfree::engine

@@ -109,21 +109,12 @@ bool DirectProtocol::progress() {
 
 bool DirectProtocol::finish(DirectSend& send) {
   Op& op = *send.send.op;
-  const CopyEngineOp& state = copyEngineOp(op);
-  Status status = Status::success();
-  try {
-    if (!state.copied->reached()) return false;
-    // The DMA stream waited for `produced` before the copy that `copied` follows.
-    state.produced->markReached();
-  } catch (const Error& error) {
-    // The device failed (a sticky CUDA error): the copy will not run.
-    status = Status::failure(StatusCode::kChannel,
-                             concat(op.describe(), " failed: ", reasonOf(error)));
-  }
-  moveTo(send, status.ok() ? DirectSendState::kLanded : DirectSendState::kFailed);
+  const std::optional<Status> status = sendCopyOutcome(op);
+  if (!status) return false;
+  moveTo(send, status->ok() ? DirectSendState::kLanded : DirectSendState::kFailed);
   context_.ipc().done(processKeyOf(*send.send.peer), send.send.destination,
                       op.request.buffer.device);
-  context_.end(send.send.op, status);
+  context_.end(send.send.op, *status);
   return true;
 }
 

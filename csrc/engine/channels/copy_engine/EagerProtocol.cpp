@@ -217,28 +217,19 @@ bool EagerProtocol::fill(EagerSendTransfer& send) {
 
 bool EagerProtocol::finish(EagerSendTransfer& send) {
   Op& op = *send.op;
-  const CopyEngineOp& state = copyEngineOp(op);
   const bool held =
       send.state == EagerSendState::kHeld || send.state == EagerSendState::kHeldCleared;
   if (held && !fill(send)) return false;
-  Status status = Status::success();
-  try {
-    if (!state.copied->reached()) return false;
-    // The DMA stream waited for `produced` before the copy that `copied` follows.
-    state.produced->markReached();
-  } catch (const Error& error) {
-    // The device failed (a sticky CUDA error): the copy will not run.
-    status = Status::failure(StatusCode::kChannel,
-                             concat(op.describe(), " failed: ", reasonOf(error)));
-  }
+  const std::optional<Status> status = sendCopyOutcome(op);
+  if (!status) return false;
   // An unfilled send's op has ended (fill()).
-  if (status.ok() && send.state == EagerSendState::kQueued && !op.finished()) {
+  if (status->ok() && send.state == EagerSendState::kQueued && !op.finished()) {
     moveTo(send, EagerSendState::kLanded);
     --op.outstanding;
     return true;  // its clear-to-send ends it (cleared())
   }
   moveTo(send, EagerSendState::kEnded);
-  context_.end(send.op, status);
+  context_.end(send.op, *status);
   return true;
 }
 

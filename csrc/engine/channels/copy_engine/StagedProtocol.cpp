@@ -181,20 +181,10 @@ bool StagedProtocol::advanceHeld() {
 }
 
 bool StagedProtocol::finish(StagedSend& send) {
-  Op& op = *send.send.op;
-  const CopyEngineOp& state = copyEngineOp(op);
-  Status status = Status::success();
-  try {
-    if (!state.copied->reached()) return false;
-    // The DMA stream waited for `produced` before the copy that `copied` follows.
-    state.produced->markReached();
-  } catch (const Error& error) {
-    // The device failed (a sticky CUDA error): the copy will not run.
-    status = Status::failure(StatusCode::kChannel,
-                             concat(op.describe(), " failed: ", reasonOf(error)));
-  }
-  moveTo(send, status.ok() ? StagedSendState::kLanded : StagedSendState::kFailed);
-  context_.end(send.send.op, status);
+  const std::optional<Status> status = sendCopyOutcome(*send.send.op);
+  if (!status) return false;
+  moveTo(send, status->ok() ? StagedSendState::kLanded : StagedSendState::kFailed);
+  context_.end(send.send.op, *status);
   return true;
 }
 
