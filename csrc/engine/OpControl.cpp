@@ -159,7 +159,7 @@ std::string OpControl::dumpPending(uint64_t groupId) {
                 ? "moving data"
                 : (op->isSend() ? "waiting for the receiver" : "waiting for a matching send"));
     if (const std::string wait = op->channelOp->describe(*op); !wait.empty()) {
-      out << " [flags " << wait << "]";
+      out << " [" << wait << "]";
     }
     out << "\n";
   }

@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+import smfree_pg
 
 from devices import cuda_device
 from harness import run_ranks
@@ -155,6 +156,7 @@ def _unmatched(rank, world):
     with pytest.raises(dist.DistBackendError, match=expired):
         work.wait(timeout=datetime.timedelta(milliseconds=200))
     assert not work.is_completed()
+    table = smfree_pg.dump_pending()
     started = time.monotonic()
     with pytest.raises(dist.DistBackendError) as raised:
         work.wait()
@@ -166,12 +168,14 @@ def _unmatched(rank, world):
     send = dist.isend(torch.full((256,), 3.0), rank, tag=9)
     dist.irecv(buf, rank, tag=9).wait()
     send.wait()
-    return str(raised.value), waited, completed, buf[0].item()
+    return str(raised.value), waited, completed, buf[0].item(), table
 
 
 def test_unmatched_self_recv_fails_at_the_group_timeout():
-    for rank, (error, waited, completed, later) in enumerate(
+    for rank, (error, waited, completed, later, table) in enumerate(
             run_ranks(_unmatched, 2, group_timeout_s=2)):
+        assert "1 pending" in table and f"recv on rank {rank} from rank {rank}" in table, table
+        assert "[its send in this process is not posted yet]" in table, table
         assert re.search(rf"recv on rank {rank} from rank {rank} \(group '0', tag 9, "
                          rf"float32\[256\] \(1024 B\)\) was not matched by a send within the "
                          rf"group timeout of 2000 ms", error), error

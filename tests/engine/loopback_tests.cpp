@@ -88,6 +88,19 @@ TEST(loopbackPairsInEitherPostingOrder, "loopback: a send and a recv pair in eit
   }
 }
 
+TEST(loopbackDescribesWhetherAnOpIsPaired,
+     "loopback: the pending-op table says whether an op met its partner in this process") {
+  Loopback loopback;
+  std::vector<float> mine{1};
+  std::vector<float> got(1, 0);
+  auto recv = loopback.recv(0, got);
+  CHECK(loopback.pairing.describe(*recv, *loopback.halves[recv->id]) ==
+        "its send in this process is not posted yet");
+  auto send = loopback.send(0, mine);
+  const std::string paired = "paired with its recv in this process; ends on the progress thread";
+  CHECK(loopback.pairing.describe(*send, *loopback.halves[send->id]) == paired);
+}
+
 TEST(loopbackPairsPerTagInPostingOrder, "loopback: pairs per group and tag, in posting order") {
   Loopback loopback;
   std::vector<std::vector<float>> sent{{10}, {11}, {20}, {30}};

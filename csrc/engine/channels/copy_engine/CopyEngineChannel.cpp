@@ -179,7 +179,7 @@ std::string CopyEngineChannel::describeWait(const Op& op) const {
   };
   const cuda::FlagSegment& flags = context_.flags();
   const CopyEngineOp& state = copyEngineOp(op);
-  std::string text = flag("queued", flags.wordOf(state.queued), state.queued);
+  std::string text = "flags " + flag("queued", flags.wordOf(state.queued), state.queued);
   if (state.collective) return text + collective_.describeWait(op);
   if (!op.isSend()) {
     text += concat(", ", flag("ready", flags.wordOf(state.ready), state.ready), ", ",

@@ -34,4 +34,8 @@ void LoopbackChannelOp::start(const std::shared_ptr<Op>& op, Peer&, const std::s
 
 void LoopbackChannelOp::end(Op& op, const Status&) { pairing_.ended(op); }
 
+std::string LoopbackChannelOp::describe(const Op& op) const {
+  return pairing_.describe(op, *half_);
+}
+
 }  // namespace smfree::engine

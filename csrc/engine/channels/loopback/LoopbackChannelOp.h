@@ -33,7 +33,7 @@ class LoopbackChannelOp final : public ChannelOp {
   void end(Op& op, const Status& status) override;
   // The pair keeps both buffers while an uncaptured copy runs (LoopbackPair).
   void release(Op& op) override {}
-  std::string describe(const Op& op) const override { return {}; }
+  std::string describe(const Op& op) const override;
   bool outlivesWait(const Op& op) const override { return false; }
 
  private:

@@ -204,6 +204,14 @@ void LoopbackPairing::withdraw(const std::shared_ptr<LoopbackOp>& half) {
   if (queue.empty()) lines.erase(line);
 }
 
+std::string LoopbackPairing::describe(const Op& op, const LoopbackOp& half) {
+  const char* partner = op.isSend() ? "recv" : "send";
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!half.pair) return concat("its ", partner, " in this process is not posted yet");
+  return concat("paired with its ", partner, " in this process; ",
+                half.pair->outcome ? "ends on the progress thread" : "its copy runs on the GPU");
+}
+
 std::vector<LoopbackPairing::Report> LoopbackPairing::progress() {
   std::vector<Report> reports;
   if (pendingCount_.load(std::memory_order_relaxed) == 0) return reports;

@@ -55,6 +55,8 @@ class LoopbackPairing {
   // The ends to tell: of the started ops (past OpState::kPosted) whose pair's outcome is known,
   // the copies the GPU has run since included.
   std::vector<Report> progress();
+  // For the pending-op table: whether the op has met its partner in this process.
+  std::string describe(const Op& op, const LoopbackOp& half);
   // While a copy runs on the GPU, or an outcome waits for its op to start.
   bool busy() const { return pendingCount_.load(std::memory_order_relaxed) > 0; }
   // Waits, up to `deadline`, for the copies the GPU has still to run.
