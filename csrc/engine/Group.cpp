@@ -5,6 +5,8 @@
 
 #include "engine/Error.h"
 #include "engine/Log.h"
+#include "engine/cuda/Capture.h"
+#include "engine/cuda/CudaDriver.h"
 
 namespace smfree::engine {
 namespace {

@@ -3,9 +3,6 @@
 // through a pidfd of this process). Each test walks a transfer through its protocol's states
 // and checks the bytes, the words and how each op ended.
 
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include <cstring>
 #include <map>
 #include <memory>
@@ -31,18 +28,9 @@
 #include "check.h"
 #include "fake_cuda.h"
 #include "test_copy_engine_op.h"
-
-#ifndef SYS_pidfd_open
-#define SYS_pidfd_open 434
-#endif
+#include "test_peer.h"
 
 namespace smfree::engine {
-
-// The tests' peer: this very process.
-struct Peer {
-  std::string key;
-  int pidfd = -1;
-};
 
 const std::string& processKeyOf(const Peer& peer) { return peer.key; }
 int pidfdOf(const Peer& peer) { return peer.pidfd; }
@@ -52,17 +40,11 @@ std::string describePeer(const Peer& peer) { return "peer " + peer.key; }
 
 using namespace smfree::engine;
 using testing::FakeCuda;
+using testing::OwnPidfd;
 using testing::TestCopyEngineOp;
 using testing::throwsError;
 
 namespace {
-
-struct OwnPidfd {
-  int fd = static_cast<int>(syscall(SYS_pidfd_open, getpid(), 0));
-  ~OwnPidfd() {
-    if (fd >= 0) close(fd);
-  }
-};
 
 // Both sides of the transfers, in one process: its flag segment is also its peer's.
 struct Node {

@@ -1,7 +1,5 @@
 #include "engine/cuda/Capture.h"
 
-#include <dlfcn.h>
-
 #include <memory>
 
 #include "engine/Error.h"
@@ -9,10 +7,6 @@
 
 namespace smfree::engine::cuda {
 namespace {
-
-thread_local bool engineThread = false;
-// Relaxed for good, or found to have no CUDA that could capture.
-thread_local bool modeSettled = false;
 
 struct OnDestroy {
   std::function<void()> run;
@@ -53,38 +47,6 @@ std::optional<Capture> captureOf(CUstream stream) {
   }
   fail("the current stream's CUDA graph capture was invalidated by an earlier error; end it "
        "and capture again");
-}
-
-RelaxedCapture::RelaxedCapture() : previous_(CU_STREAM_CAPTURE_MODE_RELAXED) {
-  check(driver().cuThreadExchangeStreamCaptureMode(&previous_), "cuThreadExchangeStreamCaptureMode");
-}
-
-RelaxedCapture::~RelaxedCapture() { driver().cuThreadExchangeStreamCaptureMode(&previous_); }
-
-void relaxCaptureOnThisThread() {
-  if (modeSettled) return;
-  CUstreamCaptureMode mode = CU_STREAM_CAPTURE_MODE_RELAXED;
-  check(driver().cuThreadExchangeStreamCaptureMode(&mode), "cuThreadExchangeStreamCaptureMode");
-  modeSettled = true;
-}
-
-void markEngineThread() { engineThread = true; }
-
-void relaxIfEngineThread() {
-  if (engineThread) relaxCaptureOnThisThread();
-}
-
-void relaxOnceCudaIsLoaded() {
-  if (modeSettled) return;
-  void* loaded = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
-  if (!loaded) return;
-  dlclose(loaded);
-  try {
-    relaxCaptureOnThisThread();
-  } catch (const Error&) {
-    // A driver that does not start (no GPU) runs no capture: nothing to relax for.
-    modeSettled = true;
-  }
 }
 
 void onGraphDestroyed(CUgraph graph, std::function<void()> onDestroy) {

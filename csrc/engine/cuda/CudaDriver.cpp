@@ -7,7 +7,6 @@
 #include <vector>
 
 #include "engine/Error.h"
-#include "engine/cuda/Capture.h"
 
 namespace smfree::engine::cuda {
 namespace {
@@ -41,6 +40,10 @@ Driver load() {
   check(d.cuInit(0), "cuInit");
   return d;
 }
+
+thread_local bool engineThread = false;
+// Relaxed for good, or found to have no CUDA that could capture.
+thread_local bool modeSettled = false;
 
 std::atomic<const Driver*>& overridden() {
   static std::atomic<const Driver*> table{nullptr};
@@ -127,8 +130,37 @@ bool enablePeerAccess(int device, int peer) {
   return true;
 }
 
+RelaxedCapture::RelaxedCapture() : previous_(CU_STREAM_CAPTURE_MODE_RELAXED) {
+  check(driver().cuThreadExchangeStreamCaptureMode(&previous_),
+        "cuThreadExchangeStreamCaptureMode");
+}
+
+RelaxedCapture::~RelaxedCapture() { driver().cuThreadExchangeStreamCaptureMode(&previous_); }
+
+void relaxCaptureOnThisThread() {
+  if (modeSettled) return;
+  CUstreamCaptureMode mode = CU_STREAM_CAPTURE_MODE_RELAXED;
+  check(driver().cuThreadExchangeStreamCaptureMode(&mode), "cuThreadExchangeStreamCaptureMode");
+  modeSettled = true;
+}
+
+void markEngineThread() { engineThread = true; }
+
+void relaxOnceCudaIsLoaded() {
+  if (modeSettled) return;
+  void* loaded = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+  if (!loaded) return;
+  dlclose(loaded);
+  try {
+    relaxCaptureOnThisThread();
+  } catch (const Error&) {
+    // A driver that does not start (no GPU) runs no capture: nothing to relax for.
+    modeSettled = true;
+  }
+}
+
 ContextGuard::ContextGuard(int device) {
-  relaxIfEngineThread();
+  if (engineThread) relaxCaptureOnThisThread();
   check(driver().cuCtxPushCurrent(primaryContext(device)), "cuCtxPushCurrent");
 }
 

@@ -95,7 +95,37 @@ void check(CUresult result, const char* what);
 // NVLink; false where the two devices cannot reach each other.
 bool enablePeerAccess(int device, int peer);
 
-// Makes a device's primary context (the one torch uses) current for a scope.
+// A thread's capture mode, which its first context on an engine thread relaxes.
+// Relaxed capture mode on this thread for a scope: a graph capture in progress (on this thread
+// or, in "global" mode, on any) then neither refuses this thread's unsafe calls (an event
+// query, an allocation, a host registration) nor is invalidated by them.
+class RelaxedCapture {
+ public:
+  RelaxedCapture();
+  ~RelaxedCapture();
+  RelaxedCapture(const RelaxedCapture&) = delete;
+  RelaxedCapture& operator=(const RelaxedCapture&) = delete;
+
+ private:
+  CUstreamCaptureMode previous_;
+};
+
+// The same for the rest of this thread's life, once; for threads of smfree's own that make
+// CUDA calls while users capture (torch.cuda.graph's default "global" mode would otherwise
+// turn their event queries into failures and invalidate the user's capture).
+void relaxCaptureOnThisThread();
+
+// Marks this thread as one of the engine's: its first CUDA context (ContextGuard) relaxes its
+// capture mode, so its CUDA calls never meet a user's capture.
+void markEngineThread();
+// For an engine thread's loop: relaxes the thread once the process has loaded the CUDA driver
+// (torch or smfree), since a library such as UCX may call CUDA on it outside any ContextGuard
+// (UCX's CUDA transports, as an endpoint is made) and a capture can begin only from then on.
+void relaxOnceCudaIsLoaded();
+
+
+// Makes a device's primary context (the one torch uses) current for a scope; on an engine
+// thread, its first relaxes the thread's capture mode.
 class ContextGuard {
  public:
   explicit ContextGuard(int device);

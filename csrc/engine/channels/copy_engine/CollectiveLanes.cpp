@@ -3,9 +3,8 @@
 #include <cstring>
 
 #include "engine/Error.h"
-#include "engine/GroupState.h"
 #include "engine/Log.h"
-#include "engine/Peer.h"
+#include "engine/PeerAddress.h"
 #include "engine/channels/copy_engine/DoneWord.h"
 #include "engine/cuda/Copies.h"
 #include "engine/cuda/CudaDriver.h"

@@ -16,6 +16,24 @@ CollectiveProtocol::CollectiveProtocol(CopyEngineContext& context, std::string p
              }),
       enabled_(enabled) {}
 
+bool CollectiveProtocol::takes(const Op& op, const PostOptions& options) const {
+  return enabled_ && op.isCollective() && op.request.buffer.bytes != 0 && !options.peerKey.empty();
+}
+
+void CollectiveProtocol::post(Op& op, const PostOptions& options, CopyEngineOp& state) {
+  cuda::FlagSegment& flags = context_.flags();
+  if (op.isSend()) {
+    state.done = flags.acquire(kDoneSpan);
+    state.producedWord = flags.acquire();
+    context_.cudaOps().writeFromStream(op, state.producedWord);
+  }
+  const PieceWords words{op.isSend() ? state.producedWord : state.ready, state.done,
+                         state.produced.get()};
+  state.collective = lanes_.post(op, options, words);
+  // First: the partner's post queues the copy; second: this post did.
+  if (state.collective) flags.set(state.queued);
+}
+
 void CollectiveProtocol::moveTo(CollectiveTransfer& transfer, CollectiveState to) {
   kCollectiveStates.advance(transfer.state, to, [&] { return transfer.op->describe(); });
 }

@@ -14,6 +14,7 @@
 
 namespace smfree::engine {
 
+struct CopyEngineOp;
 struct Peer;
 
 struct CollectiveTransfer {
@@ -24,13 +25,21 @@ struct CollectiveTransfer {
 // Collective lanes (CollectiveLanes.h): a collective's piece is copied at the post of whichever
 // of its two ranks posts second, so that neither's wait() waits for the other; the op then only
 // ends once the copy has written its `done` word. One that failed keeps its buffer while a copy
-// may still come. Progress thread, but for lanes().
+// may still come. Progress thread, but for takes(), post() and lanes().
 class CollectiveProtocol {
  public:
   CollectiveProtocol(CopyEngineContext& context, std::string processKey, size_t ipcCacheSize,
                      bool enabled);
 
-  bool enabled() const { return enabled_; }  // SMFREE_COLLECTIVE_LANES
+  // Whether a collective lane decides, at its post, how `op` goes (SMFREE_COLLECTIVE_LANES):
+  // an uncaptured CUDA piece of a collective, not empty, to a known peer.
+  bool takes(const Op& op, const PostOptions& options) const;
+  // Caller's thread, at the post of a piece it takes, `state` holding its `queued`, its
+  // `produced` event recorded (a recv's: its buffer is free), and a recv's `done` and `ready`:
+  // adds a send's `done` and `producedWord` and posts the piece to its lane; state.collective
+  // stays null where it goes by rendezvous. Throws Error; what it acquired is then in
+  // `state`, for the caller to release.
+  void post(Op& op, const PostOptions& options, CopyEngineOp& state);
   CollectiveLanes& lanes() { return lanes_; }
   const CollectiveLanes& lanes() const { return lanes_; }
 

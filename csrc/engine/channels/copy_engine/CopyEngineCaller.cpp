@@ -26,8 +26,7 @@ std::shared_ptr<ChannelOp> CopyEngineChannel::prepare(Op& op, const PostOptions&
   context_.cudaOps().admit(options.timeout);
   CopyEngineOp state;  // moved into its CopyEngineChannelOp
   // A collective's piece: a collective lane decides, at this post, which side queues its copy.
-  const bool byLane = collective_.enabled() && op.isCollective() && op.request.buffer.bytes != 0 &&
-                      !options.peerKey.empty();
+  const bool byLane = collective_.takes(op, options);
   try {
     state.queued = flags.acquire();
     if (op.isSend()) {
@@ -35,11 +34,6 @@ std::shared_ptr<ChannelOp> CopyEngineChannel::prepare(Op& op, const PostOptions&
       state.produced = cuda::takeEvent(device);
       state.copied = cuda::takeEvent(device);
       state.produced->record(static_cast<CUstream>(op.request.stream));
-      if (byLane) {
-        state.done = flags.acquire(kDoneSpan);
-        state.producedWord = flags.acquire();
-        context_.cudaOps().writeFromStream(op, state.producedWord);
-      }
       if (eager_.lanes().enabled() && !options.peerKey.empty() && !op.isCollective()) {
         state.eager = eager_.lanes().push(op, CopyEngineContext::laneOf(op, options.peerKey),
                                           *state.produced, *state.copied);
@@ -54,7 +48,7 @@ std::shared_ptr<ChannelOp> CopyEngineChannel::prepare(Op& op, const PostOptions&
       state.done = flags.acquire(kDoneSpan);
       state.ready = flags.acquire();
       context_.cudaOps().writeFromStream(op, state.ready);
-      if (byLane) {
+      if (byLane) {  // its buffer is free: a collective lane's pull waits for it
         state.produced = cuda::takeEvent(op.request.buffer.device);
         state.produced->record(static_cast<CUstream>(op.request.stream));
       }
@@ -69,13 +63,7 @@ std::shared_ptr<ChannelOp> CopyEngineChannel::prepare(Op& op, const PostOptions&
         eager_.lanes().posted(state.eagerRecv);
       }
     }
-    if (byLane) {
-      const PieceWords words{op.isSend() ? state.producedWord : state.ready, state.done,
-                              state.produced.get()};
-      state.collective = collective_.lanes().post(op, options, words);
-      // First: the partner's post queues the copy; second: this post did.
-      if (state.collective) flags.set(state.queued);
-    }
+    if (byLane) collective_.post(op, options, state);
   } catch (...) {
     // A value of 0 is never handed out: those words were not acquired.
     for (const cuda::Flag* flag :

@@ -45,13 +45,16 @@ std::shared_ptr<ChannelOp> UcxChannel::prepare(Op& op, const PostOptions& option
   return std::make_shared<UcxChannelOp>(*this, std::move(state), traits);
 }
 
+std::shared_ptr<UcxChannelOp> UcxChannel::makeHostOp() {
+  return std::make_shared<UcxChannelOp>(*this);
+}
+
 UcxChannelOp::UcxChannelOp(UcxChannel& channel, UcxCudaOp cuda, OpTraits traits)
-    : ChannelOp(traits),
+    : UcxCudaOpHolder(traits, std::move(cuda)),
       channel_(channel),
-      cuda_(std::move(cuda)),
-      queued_(cuda_->queued),
-      copied_(cuda_->copied),
-      relayedRecv_(traits.queuedByWait ? cuda_->relay : nullptr) {}
+      queued_(this->cuda()->queued),
+      copied_(this->cuda()->copied),
+      relayedRecv_(traits.queuedByWait ? this->cuda()->relay : nullptr) {}
 
 std::shared_ptr<CallerRelay> UcxChannel::relayFromCaller(const Op& op,
                                                            const UcxCudaOp& state) {

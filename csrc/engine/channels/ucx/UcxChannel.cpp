@@ -2,14 +2,13 @@
 // endpoints to peers' receive workers and whether CUDA buffers toward a peer go through host
 // memory, and its figures.
 #include "engine/channels/ucx/UcxChannel.h"
-#include "engine/channels/ucx/UcxChannelOp.h"
 
 #include <thread>
-
 
 #include "engine/Error.h"
 #include "engine/Log.h"
 #include "engine/Peer.h"
+#include "engine/channels/ucx/UcxCudaOp.h"
 #include "engine/channels/ucx/UcxMovement.h"
 #include "engine/transports/ucx/UcxStatus.h"
 
@@ -31,7 +30,7 @@ UcxChannel::UcxChannel(const UcxContext& context, UcxWorker& sendWorker, CudaOps
       peerCheck_(config.peerCheck),
       onDone_(std::move(onDone)),
       start_(std::move(start)),
-      hostOp_(std::make_shared<UcxChannelOp>(*this)) {}
+      hostOp_(makeHostOp()) {}
 
 UcxChannel::~UcxChannel() {
   endpoints_.clear();  // their flushes first: peers' sends to the receive worker may wait on them
@@ -49,7 +48,7 @@ UcxChannel::~UcxChannel() {
   }
   std::lock_guard<std::mutex> lock(completionsMutex_);
   for (const Completion& completion : completions_) {
-    std::unique_ptr<Transfer> owned(completion.transfer);
+    std::unique_ptr<UcxTransfer> owned(completion.transfer);
     ucp_request_free(completion.request);
   }
 }

@@ -22,6 +22,8 @@
 namespace smfree::engine {
 
 class UcxChannelOp;
+struct UcxMovement;
+struct UcxTransfer;
 
 // Moves bytes with UCX tag send/recv straight between the users' buffers, host or CUDA. Sends
 // go out through the engine's worker, to the peer's receive worker (UcxReceiveWorker), where recvs
@@ -91,11 +93,9 @@ class UcxChannel final : public Channel {
 
  private:
   friend class UcxChannelOp;
-  struct Movement;
-  struct Transfer;
   // A UCX request's end, as its callback saw it: applied to its movement in progress().
   struct Completion {
-    Transfer* transfer;  // owned from here
+    UcxTransfer* transfer;  // owned from here
     void* request;
     ucs_status_t status;
     size_t length;  // bytes received (recvs)
@@ -122,6 +122,8 @@ class UcxChannel final : public Channel {
   void progressThreadCallsCuda(const Op& op);
   // Starts the ops admit() held, once no commitment is in flight.
   void startHeldOps();
+  // The part CPU tensors' ops share (hostOp_), made beside prepare(), which makes every op's.
+  std::shared_ptr<UcxChannelOp> makeHostOp();
   // Caller's thread: relays a CUDA op through host memory; a send's copies out are queued.
   std::shared_ptr<CallerRelay> relayFromCaller(const Op& op, const UcxCudaOp& state);
   // Caller's thread, a caller-relayed recv: queues its copies in, which wait on the GPU for
@@ -136,24 +138,24 @@ class UcxChannel final : public Channel {
   // Decided, and logged, once per peer.
   bool relaysThroughHost(const Op& op, const Peer& peer);
   bool onlyTcpToward(const UcxEndpoint& endpoint, const Peer& peer) const;
-  Movement& track(const std::shared_ptr<Op>& op, Peer& peer);
+  UcxMovement& track(const std::shared_ptr<Op>& op, Peer& peer);
   // Moves what the movement's state allows; true if anything changed. Runs once the queued
   // completions are applied: a failed movement's requests are cancelled here.
-  bool advance(Movement& movement);
+  bool advance(UcxMovement& movement);
   // The movement's requests whose completions are not applied: UCX ends them (cancelled)
   // unless they completed meanwhile.
-  void cancelRequests(Movement& movement);
-  bool startOnceStreamReached(Movement& movement);
-  bool transmitCopiedPieces(Movement& movement);
-  bool copyInLandedPieces(Movement& movement);
-  bool countCopiedInPieces(Movement& movement);
-  bool countCopiedOut(Movement& movement);
+  void cancelRequests(UcxMovement& movement);
+  bool startOnceStreamReached(UcxMovement& movement);
+  bool transmitCopiedPieces(UcxMovement& movement);
+  bool copyInLandedPieces(UcxMovement& movement);
+  bool countCopiedInPieces(UcxMovement& movement);
+  bool countCopiedOut(UcxMovement& movement);
   // A failed caller-relayed recv whose copies in its caller queued: lets them run.
-  void releaseWaitingCopiesIn(Movement& movement);
+  void releaseWaitingCopiesIn(UcxMovement& movement);
   // Receive worker's thread: a caller-relayed recv's piece has landed.
-  void markLanded(Movement& movement, uint32_t piece);
-  void postPiece(Movement& movement, uint32_t piece);
-  bool movementEnded(const Movement& movement) const;
+  void markLanded(UcxMovement& movement, uint32_t piece);
+  void postPiece(UcxMovement& movement, uint32_t piece);
+  bool movementEnded(const UcxMovement& movement) const;
   void enqueue(const Completion& completion, bool wakeEngine);
   bool applyCompletions();
   void finish(const Completion& completion);
@@ -186,7 +188,7 @@ class UcxChannel final : public Channel {
   std::unordered_map<const Peer*, std::unique_ptr<UcxEndpoint>> endpoints_;
   // By op id. Only progress() changes a movement after a post, applying what the callbacks
   // queued: they run on the receive worker's thread, or inside the calls that post and cancel.
-  std::unordered_map<uint64_t, std::unique_ptr<Movement>> movements_;
+  std::unordered_map<uint64_t, std::unique_ptr<UcxMovement>> movements_;
   std::unordered_map<const Peer*, bool> relayDecisions_;  // peers live as long as the engine
   // Progress thread: see the class comment.
   bool promising_ = true;

@@ -14,13 +14,12 @@ class UcxChannel;
 // An op's part of UcxChannel: its CUDA state (none for a CPU tensor: those ops share one
 // UcxChannelOp), and its fence, fixed at the post so that the caller's thread reads only what
 // the progress thread never changes. The channel does the work.
-class UcxChannelOp final : public ChannelOp {
+class UcxChannelOp final : public UcxCudaOpHolder {
  public:
   // A CPU tensor's.
-  explicit UcxChannelOp(UcxChannel& channel) : ChannelOp({}), channel_(channel) {}
+  explicit UcxChannelOp(UcxChannel& channel)
+      : UcxCudaOpHolder({}, std::nullopt), channel_(channel) {}
   UcxChannelOp(UcxChannel& channel, UcxCudaOp cuda, OpTraits traits);
-
-  UcxCudaOp* cuda() { return cuda_ ? &*cuda_ : nullptr; }
 
   bool queued() override;
   void waitOnStream(void* stream, int device) override;
@@ -37,16 +36,10 @@ class UcxChannelOp final : public ChannelOp {
 
  private:
   UcxChannel& channel_;
-  std::optional<UcxCudaOp> cuda_;
   // The fence's: copies of the state's, which release() gives back.
   cuda::Flag queued_;
   std::shared_ptr<cuda::Event> copied_;
   std::shared_ptr<CallerRelay> relayedRecv_;  // its wait() queues its copies in
 };
-
-// The op's UCX CUDA state; null for a CPU tensor.
-inline UcxCudaOp* ucxCudaOp(const Op& op) {
-  return static_cast<UcxChannelOp*>(op.channelOp.get())->cuda();
-}
 
 }  // namespace smfree::engine

@@ -3,7 +3,7 @@
 // commitments are in flight.
 #include "engine/Log.h"
 #include "engine/channels/ucx/UcxChannel.h"
-#include "engine/channels/ucx/UcxChannelOp.h"
+#include "engine/channels/ucx/UcxCudaOp.h"
 
 namespace smfree::engine {
 

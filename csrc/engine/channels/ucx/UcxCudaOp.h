@@ -3,7 +3,10 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <optional>
+#include <utility>
 
+#include "engine/Channel.h"
 #include "engine/Op.h"
 #include "engine/cuda/Event.h"
 #include "engine/cuda/FlagSegment.h"
@@ -65,5 +68,23 @@ struct UcxCudaOp {
   // GPU (UcxChannel's commitments).
   bool promised = false;
 };
+
+// The UCX channel's part of an op (Op::channelOp) holds its UcxCudaOp, none for a CPU tensor,
+// which the channel's files reach from the op alone (ucxCudaOp()). Its steps are the
+// channel's (UcxChannelOp.h).
+class UcxCudaOpHolder : public ChannelOp {
+ public:
+  UcxCudaOpHolder(OpTraits traits, std::optional<UcxCudaOp> cuda)
+      : ChannelOp(traits), cuda_(std::move(cuda)) {}
+  UcxCudaOp* cuda() { return cuda_ ? &*cuda_ : nullptr; }
+
+ private:
+  std::optional<UcxCudaOp> cuda_;
+};
+
+// The op's UCX CUDA state; null for a CPU tensor.
+inline UcxCudaOp* ucxCudaOp(const Op& op) {
+  return static_cast<UcxCudaOpHolder*>(op.channelOp.get())->cuda();
+}
 
 }  // namespace smfree::engine

@@ -1,15 +1,26 @@
 #pragma once
 
 // What UcxChannel keeps of one op's bytes in motion (its files share it; nothing else does).
+#include <ucp/api/ucp.h>
+
 #include <algorithm>
+#include <cstdint>
 #include <memory>
 #include <optional>
 #include <vector>
 
-#include "engine/Peer.h"
-#include "engine/channels/ucx/UcxChannel.h"
+#include "engine/Op.h"
+#include "engine/Status.h"
+#include "engine/channels/ucx/HostRelay.h"
+#include "engine/channels/ucx/UcxCudaOp.h"
+#include "engine/cuda/Event.h"
+#include "engine/cuda/FlagSegment.h"
+#include "engine/cuda/PinnedMemory.h"
 
 namespace smfree::engine {
+
+class UcxChannel;
+struct Peer;
 
 constexpr ucp_tag_t kFullMask = ~ucp_tag_t{0};
 // A recv's pieces travel under consecutive tags: its op id shifted left by this, plus the
@@ -29,7 +40,7 @@ enum class PieceState : uint8_t {
 
 // One op's bytes in this channel, from the clear-to-send (a relayed send: from its post; a recv:
 // from its arming) until no UCX request or copy touches its buffer.
-struct UcxChannel::Movement {
+struct UcxMovement {
   std::shared_ptr<Op> op;
   Peer* peer = nullptr;         // a send's destination, a recv's source
   bool cleared = false;         // a send: its clear-to-send gave the tag and the pieces
@@ -79,9 +90,9 @@ struct UcxChannel::Movement {
   }
 };
 
-struct UcxChannel::Transfer {
+struct UcxTransfer {
   UcxChannel* channel;
-  Movement* movement;  // lives until the completion of its last request is applied
+  UcxMovement* movement;  // lives until the completion of its last request is applied
   uint32_t piece;
 };
 

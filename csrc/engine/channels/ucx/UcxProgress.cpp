@@ -4,6 +4,8 @@
 
 
 #include "engine/Error.h"
+#include "engine/Peer.h"
+#include "engine/channels/ucx/UcxChannel.h"
 #include "engine/channels/ucx/UcxMovement.h"
 #include "engine/transports/ucx/UcxStatus.h"
 
@@ -40,7 +42,7 @@ Progress UcxChannel::progress() {
   }
   for (const uint64_t id : ended) {
     auto it = movements_.find(id);
-    std::unique_ptr<Movement> movement = std::move(it->second);
+    std::unique_ptr<UcxMovement> movement = std::move(it->second);
     movements_.erase(it);
     --movement->op->outstanding;
     onDone_(movement->op, movement->failure ? *movement->failure : Status::success());
@@ -50,7 +52,7 @@ Progress UcxChannel::progress() {
   return Progress{changed, cudaDevice_};
 }
 
-bool UcxChannel::advance(Movement& movement) {
+bool UcxChannel::advance(UcxMovement& movement) {
   if (movement.op->finished() && !movement.failure) {
     movement.failure = abandoned(*movement.op);  // timed out, or its peer failed
   }
@@ -74,7 +76,7 @@ bool UcxChannel::advance(Movement& movement) {
   return countCopiedInPieces(movement) || copying;
 }
 
-bool UcxChannel::movementEnded(const Movement& movement) const {
+bool UcxChannel::movementEnded(const UcxMovement& movement) const {
   if (!movement.requests.empty()) return false;
   if (movement.failure) return !movement.copyPending(flags_);
   if (movement.callerRelay && !movement.isSend() &&
@@ -110,14 +112,14 @@ bool UcxChannel::busy() const {
 void UcxChannel::cancel(Op& op) {
   auto it = movements_.find(op.id);
   if (it == movements_.end()) return;
-  Movement& movement = *it->second;
+  UcxMovement& movement = *it->second;
   // Its requests are cancelled by the next progress(), once the completions queued before it
   // are applied: this may run inside UCX (a peer's failure it reports), where some of them
   // have completed with their completions still queued.
   if (!movement.failure) movement.failure = abandoned(op);
 }
 
-void UcxChannel::cancelRequests(Movement& movement) {
+void UcxChannel::cancelRequests(UcxMovement& movement) {
   if (!movement.isSend()) {
     receiveWorker_.cancel(movement.requests);  // its thread completes them meanwhile
     return;
@@ -146,8 +148,8 @@ bool UcxChannel::applyCompletions() {
 }
 
 void UcxChannel::finish(const Completion& completion) {
-  std::unique_ptr<Transfer> transfer(completion.transfer);
-  Movement& movement = *transfer->movement;
+  std::unique_ptr<UcxTransfer> transfer(completion.transfer);
+  UcxMovement& movement = *transfer->movement;
   const uint32_t piece = transfer->piece;
   auto& requests = movement.requests;
   requests.erase(std::find(requests.begin(), requests.end(), completion.request));
@@ -174,16 +176,16 @@ void UcxChannel::finish(const Completion& completion) {
 }
 
 void UcxChannel::onSent(void* request, ucs_status_t status, void* userData) {
-  auto* transfer = static_cast<Transfer*>(userData);
+  auto* transfer = static_cast<UcxTransfer*>(userData);
   // On the engine's thread, inside its worker's progress or a post or cancel.
   transfer->channel->enqueue(Completion{transfer, request, status, 0}, false);
 }
 
 void UcxChannel::onReceived(void* request, ucs_status_t status, const ucp_tag_recv_info_t* info,
                             void* userData) {
-  auto* transfer = static_cast<Transfer*>(userData);
+  auto* transfer = static_cast<UcxTransfer*>(userData);
   const size_t length = status == UCS_OK ? info->length : 0;
-  Movement& movement = *transfer->movement;
+  UcxMovement& movement = *transfer->movement;
   if (movement.callerRelay && status == UCS_OK &&
       length == movement.bytesOf(transfer->piece)) {
     transfer->channel->markLanded(movement, transfer->piece);

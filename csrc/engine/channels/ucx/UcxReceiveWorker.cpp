@@ -5,7 +5,6 @@
 
 #include "engine/Error.h"
 #include "engine/Log.h"
-#include "engine/cuda/Capture.h"
 #include "engine/cuda/CudaDriver.h"
 
 namespace smfree::engine {

@@ -3,7 +3,9 @@
 
 
 #include "engine/Error.h"
-#include "engine/channels/ucx/UcxChannelOp.h"
+#include "engine/Peer.h"
+#include "engine/channels/ucx/UcxChannel.h"
+#include "engine/channels/ucx/UcxCudaOp.h"
 #include "engine/channels/ucx/UcxMovement.h"
 #include "engine/cuda/CudaDriver.h"
 
@@ -16,7 +18,7 @@ Status copyFailure(const Op& op, const Error& error) {
 
 }  // namespace
 
-void UcxChannel::releaseWaitingCopiesIn(Movement& movement) {
+void UcxChannel::releaseWaitingCopiesIn(UcxMovement& movement) {
   if (!movement.callerRelay || movement.isSend()) return;
   CallerRelay& relay = *movement.callerRelay;
   int state = CallerRelay::kCopiesInOpen;
@@ -26,7 +28,7 @@ void UcxChannel::releaseWaitingCopiesIn(Movement& movement) {
   flags_.set(relay.lastPiece());
 }
 
-bool UcxChannel::countCopiedOut(Movement& movement) {
+bool UcxChannel::countCopiedOut(UcxMovement& movement) {
   const CallerRelay& relay = *movement.callerRelay;
   const uint32_t word = flags_.wordOf(relay.progress);
   if (!cuda::reached(word, relay.progress.value)) return false;
@@ -38,7 +40,7 @@ bool UcxChannel::countCopiedOut(Movement& movement) {
   return true;
 }
 
-bool UcxChannel::transmitCopiedPieces(Movement& movement) {
+bool UcxChannel::transmitCopiedPieces(UcxMovement& movement) {
   bool posted = false;
   while (movement.nextToTransmit < movement.pieces.size() && !movement.failure) {
     const uint32_t piece = movement.nextToTransmit;
@@ -50,7 +52,7 @@ bool UcxChannel::transmitCopiedPieces(Movement& movement) {
   return posted;
 }
 
-bool UcxChannel::copyInLandedPieces(Movement& movement) {
+bool UcxChannel::copyInLandedPieces(UcxMovement& movement) {
   auto& pieces = movement.pieces;
   if (std::find(pieces.begin(), pieces.end(), PieceState::kLanded) == pieces.end()) return false;
   const Op& op = *movement.op;
@@ -80,7 +82,7 @@ bool UcxChannel::copyInLandedPieces(Movement& movement) {
   return true;
 }
 
-bool UcxChannel::countCopiedInPieces(Movement& movement) {
+bool UcxChannel::countCopiedInPieces(UcxMovement& movement) {
   bool counted = false;
   for (uint32_t piece = 0; piece < movement.pieces.size(); ++piece) {
     if (movement.pieces[piece] != PieceState::kCopying || !movement.copies[piece]->reached()) {
@@ -94,7 +96,7 @@ bool UcxChannel::countCopiedInPieces(Movement& movement) {
   return counted;
 }
 
-void UcxChannel::markLanded(Movement& movement, uint32_t piece) {
+void UcxChannel::markLanded(UcxMovement& movement, uint32_t piece) {
   movement.landedOnWorker[piece] = 1;
   const uint32_t before = movement.landedInOrder;
   while (movement.landedInOrder < movement.landedOnWorker.size() &&

@@ -5,8 +5,10 @@
 
 
 #include "engine/Error.h"
+#include "engine/Peer.h"
+#include "engine/channels/ucx/UcxChannel.h"
 #include "engine/PeerValue.h"
-#include "engine/channels/ucx/UcxChannelOp.h"
+#include "engine/channels/ucx/UcxCudaOp.h"
 #include "engine/channels/ucx/UcxMovement.h"
 #include "engine/cuda/CudaDriver.h"
 #include "engine/transports/ucx/UcxStatus.h"
@@ -20,12 +22,12 @@ ucs_memory_type_t memoryType(const Buffer& buffer) {
 
 }  // namespace
 
-UcxChannel::Movement& UcxChannel::track(const std::shared_ptr<Op>& op, Peer& peer) {
-  auto movement = std::make_unique<Movement>();
+UcxMovement& UcxChannel::track(const std::shared_ptr<Op>& op, Peer& peer) {
+  auto movement = std::make_unique<UcxMovement>();
   movement->op = op;
   movement->peer = &peer;
   ++op->outstanding;  // the buffer is the channel's until the movement ends
-  Movement& tracked = *movement;
+  UcxMovement& tracked = *movement;
   movements_[op->id] = std::move(movement);
   return tracked;
 }
@@ -34,7 +36,7 @@ void UcxChannel::prepareSend(const std::shared_ptr<Op>& send, Peer& destination)
   const UcxCudaOp* state = ucxCudaOp(*send);
   if (!state || !state->relay) return;
   // Relayed by its caller (prepare()), whose copies out are queued already.
-  Movement& movement = track(send, destination);
+  UcxMovement& movement = track(send, destination);
   movement.relayed = true;
   movement.started = true;
   movement.callerRelay = state->relay;
@@ -52,7 +54,7 @@ std::string UcxChannel::armRecv(const std::shared_ptr<Op>& recv, Peer& source) {
                               : relayed      ? relayPieceBytes(bytes, pieceBytes_)
                                             : 0;
   const ucp_tag_t tag = recv->id << kPieceBits;
-  Movement& movement = track(recv, source);
+  UcxMovement& movement = track(recv, source);
   movement.tag = tag;
   movement.setPieces(pieceBytes);
   movement.relayed = relayed;
@@ -99,7 +101,7 @@ void UcxChannel::startSend(const std::shared_ptr<Op>& send, Peer& destination,
                  " into more than ", kMostPieces, " pieces");
   }
   auto prepared = movements_.find(send->id);  // relayed: its copies out queued at its post
-  Movement& movement =
+  UcxMovement& movement =
       prepared != movements_.end() ? *prepared->second : track(send, destination);
   movement.cleared = true;
   movement.tag = tag;
@@ -115,7 +117,7 @@ void UcxChannel::startSend(const std::shared_ptr<Op>& send, Peer& destination,
   }
 }
 
-bool UcxChannel::startOnceStreamReached(Movement& movement) {
+bool UcxChannel::startOnceStreamReached(UcxMovement& movement) {
   if (!streamReached(*movement.op)) return false;
   movement.started = true;
   for (uint32_t piece = 0; piece < movement.pieces.size() && !movement.failure; ++piece) {
@@ -124,7 +126,7 @@ bool UcxChannel::startOnceStreamReached(Movement& movement) {
   return true;
 }
 
-void UcxChannel::postPiece(Movement& movement, uint32_t piece) {
+void UcxChannel::postPiece(UcxMovement& movement, uint32_t piece) {
   const Op& op = *movement.op;
   const Buffer& buffer = op.request.buffer;
   char* base = static_cast<char*>(movement.host ? movement.host->data() : buffer.data);
@@ -138,7 +140,7 @@ void UcxChannel::postPiece(Movement& movement, uint32_t piece) {
     return;
   }
 
-  auto transfer = std::make_unique<Transfer>(Transfer{this, &movement, piece});
+  auto transfer = std::make_unique<UcxTransfer>(UcxTransfer{this, &movement, piece});
   ucp_request_param_t params{};
   params.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
                         UCP_OP_ATTR_FIELD_MEMORY_TYPE | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
@@ -152,7 +154,7 @@ void UcxChannel::postPiece(Movement& movement, uint32_t piece) {
     receiveWorker_.useCudaDevice(buffer.device);
   }
   movement.pieces[piece] = PieceState::kInUcx;
-  Transfer* owned = transfer.release();  // owned by the request until its callback
+  UcxTransfer* owned = transfer.release();  // owned by the request until its callback
   void* request = nullptr;
   if (movement.isSend()) {
     params.cb.send = &UcxChannel::onSent;
@@ -163,7 +165,7 @@ void UcxChannel::postPiece(Movement& movement, uint32_t piece) {
                                &params);
   }
   if (UCS_PTR_IS_ERR(request)) {
-    std::unique_ptr<Transfer> back(owned);  // no callback will come
+    std::unique_ptr<UcxTransfer> back(owned);  // no callback will come
     movement.pieces[piece] = PieceState::kWaiting;
     movement.failure = Status::failure(
         StatusCode::kChannel, concat("UCX could not post ", op.describe(), ": ",
