@@ -47,7 +47,7 @@ std::unique_ptr<CollectivePiece> CollectiveLanes::post(const Op& op, const PostO
             "every collective lane into a process is taken: collective pieces of "
             "further (group, sending process) pairs go by rendezvous, their wait() waiting "
             "for the peer");
-    opControl_.fetch_add(1, std::memory_order_relaxed);
+    byRendezvous_.fetch_add(1, std::memory_order_relaxed);
     return nullptr;
   }
   piece->record = line + op.seq % kCollectiveRecords;
@@ -64,7 +64,11 @@ std::unique_ptr<CollectivePiece> CollectiveLanes::post(const Op& op, const PostO
             std::strncmp(theirs.dtype, op.request.desc.dtype.c_str(), kCollectiveDtypeBytes) != 0) {
           return false;
         }
-        mapped = map(*piece, theirs, peer.watch->fd());  // throws: the record stays theirs
+        try {
+          mapped = map(*piece, theirs, peer.watch->fd());
+        } catch (const Error& error) {  // the record stays theirs
+          fail(op.describe(), ": cannot map its partner's buffer: ", reasonOf(error));
+        }
         first = theirs;
         return true;
       },
@@ -72,7 +76,7 @@ std::unique_ptr<CollectivePiece> CollectiveLanes::post(const Op& op, const PostO
   piece->role = decideCollective(record, piece->use, piece->sender, publishable, second);
   switch (piece->role) {
     case CollectiveRole::kRendezvous:
-      opControl_.fetch_add(1, std::memory_order_relaxed);
+      byRendezvous_.fetch_add(1, std::memory_order_relaxed);
       return nullptr;
     case CollectiveRole::kFirst:
       firsts_.fetch_add(1, std::memory_order_relaxed);
@@ -199,7 +203,7 @@ void CollectiveLanes::addStats(std::map<std::string, int64_t>& stats) const {
   stats["collective_first"] = static_cast<int64_t>(firsts_.load(std::memory_order_relaxed));
   stats["collective_second"] = static_cast<int64_t>(seconds_.load(std::memory_order_relaxed));
   stats["collective_by_rendezvous"] =
-      static_cast<int64_t>(opControl_.load(std::memory_order_relaxed));
+      static_cast<int64_t>(byRendezvous_.load(std::memory_order_relaxed));
   std::lock_guard<std::mutex> lock(mutex_);
   stats["collective_ipc_mappings"] = static_cast<int64_t>(ipc_.size());
 }

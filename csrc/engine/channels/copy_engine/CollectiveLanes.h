@@ -132,7 +132,7 @@ class CollectiveLanes {
   std::map<std::tuple<int, int, bool>, std::unique_ptr<cuda::Stream>> streams_;
   std::atomic<uint64_t> firsts_{0};
   std::atomic<uint64_t> seconds_{0};
-  std::atomic<uint64_t> opControl_{0};
+  std::atomic<uint64_t> byRendezvous_{0};
 };
 
 }  // namespace smfree::engine
