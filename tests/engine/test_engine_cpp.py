@@ -26,7 +26,9 @@ SOURCES = ["Matcher.cpp", "Wire.cpp", "TensorDesc.cpp", "Op.cpp", "GroupConfig.c
            "channels/captured/GraphWait.cpp",
            "channels/captured/CapturedAnnouncement.cpp",
            "channels/captured/PostedRecvs.cpp", "CudaOps.cpp",
-           "channels/loopback/LoopbackPairing.cpp"]
+           "channels/loopback/LoopbackPairing.cpp",
+           "OpControl.cpp", "ProgressLoop.cpp", "ProgressThread.cpp", "Channel.cpp", "Peer.cpp",
+           "ProcessWatch.cpp", "Failures.cpp"]
 
 
 def cuda_include():
