@@ -7,6 +7,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <variant>
 #include <vector>
 
@@ -32,7 +33,12 @@ constexpr auto kTimeout = std::chrono::milliseconds(60000);
 // One process of the pair: its OpControl, the peers it reaches and what its channel ops and
 // callers saw.
 struct Rank {
-  Rank(int rank, uint64_t firstOpId) : rank(rank), nextId(firstOpId) {
+  Rank(int rank, uint64_t firstOpId, bool joined = true) : rank(rank), nextId(firstOpId) {
+    if (joined) join();
+  }
+
+  // Registers the group and connects its other ranks, as Group does.
+  void join() {
     control.registerGroup(config);
     GroupState* group = control.findGroup(groupId);
     for (int other = 0; other < kGroupSize; ++other) {
@@ -48,7 +54,8 @@ struct Rank {
 
   // The op as Group posts it: numbered in its (peer, tag) line, its channel's part made.
   std::shared_ptr<Op> make(OpKind kind, int peer, int tag, TensorDesc desc,
-                           FakeChannelOp::Script script = {}) {
+                           FakeChannelOp::Script script = {},
+                           ChannelKind channel = ChannelKind::kUcx) {
     auto op = std::make_shared<Op>();
     op->id = nextId++;
     op->groupId = groupId;
@@ -57,13 +64,20 @@ struct Rank {
     op->request.peer = peer;
     op->request.tag = tag;
     op->request.desc = std::move(desc);
+    op->channel = channel;
     op->request.onComplete = [this, id = op->id](const Status& status, int) {
       told[id].push_back(status);
     };
     op->posted = Clock::now();
     op->deadline = op->posted + kTimeout;
-    if (kind == OpKind::kSend) op->seq = nextSeq[{peer, tag}]++;
+    if (kind == OpKind::kSend) op->seq = nextSeq[{peer, tag, channel == ChannelKind::kCaptured}]++;
     op->channelOp = std::make_shared<FakeChannelOp>(calls, std::move(script));
+    return op;
+  }
+  // An op of that channel, started.
+  std::shared_ptr<Op> post(OpKind kind, int peer, int tag, ChannelKind channel) {
+    auto op = make(kind, peer, tag, TensorDesc{16, "float32", "cpu", {4}}, {}, channel);
+    control.startOp(op);
     return op;
   }
   std::shared_ptr<Op> send(int peer, int tag, TensorDesc desc, FakeChannelOp::Script script = {}) {
@@ -129,7 +143,7 @@ struct Rank {
   std::map<int, std::unique_ptr<Peer>> peers;  // by group rank
   std::vector<std::string> calls;              // of its channel ops, in order
   std::map<uint64_t, std::vector<Status>> told;  // by op id: what its caller was told
-  std::map<std::pair<int, int>, uint64_t> nextSeq;  // by (peer, tag)
+  std::map<std::tuple<int, int, bool>, uint64_t> nextSeq;  // by (peer, tag, captured)
   uint64_t nextId;
 };
 
@@ -697,4 +711,53 @@ TEST(opControlShutDown, "op control: shutting down fails every op left, at any s
   }
   CHECK(p.a.control.liveOps() == 0);
   CHECK(recv->state == OpState::kMoving);  // the other rank's are its own
+}
+
+TEST(opControlKeepsEarlyAnnouncements, "op control: a send announced for a group not joined yet waits for the group and matches") {
+  Rank a{0, 100};
+  Rank b{1, 200, false};
+  auto send = a.send(1, 3, floats(4));
+  deliver(a, b);
+  CHECK(b.links.sent.empty());
+  b.join();
+  auto recv = b.recv(0, 3, floats(4));
+  CHECK(recv->state == OpState::kMoving);
+  CHECK(b.links.sent.size() == 1 && as<ClearToSend>(b.links.sent.at(0)) &&
+        as<ClearToSend>(b.links.sent.at(0))->sendId == send->id);
+}
+
+TEST(opControlRefusesOtherChannel, "op control: a send over another channel than its recv's is refused on both sides") {
+  Pair p;
+  auto send = p.a.post(OpKind::kSend, 1, 3, ChannelKind::kCopyEngine);
+  auto recv = p.b.post(OpKind::kRecv, 0, 3, ChannelKind::kUcx);
+  deliver(p.a, p.b);
+  const std::string expected =
+      "channel mismatch in group 'g', tag 3: rank 0 sends float32[4] (16 B) over the copy "
+      "engines, rank 1 receives into float32[4] (16 B) over UCX (SMFREE_CHANNEL must be alike "
+      "on every rank)";
+  CHECK(p.b.endedWith(recv, StatusCode::kMismatch, expected));
+  deliver(p.b, p.a);
+  CHECK(p.a.endedWith(send, StatusCode::kMismatch, expected));
+}
+
+TEST(opControlCapturedLinesApart, "op control: captured ops match only captured ops, in lines of their own") {
+  Pair p;
+  auto captured = p.a.post(OpKind::kSend, 1, 3, ChannelKind::kCaptured);
+  auto ordinary = p.b.post(OpKind::kRecv, 0, 3, ChannelKind::kUcx);
+  deliver(p.a, p.b);
+  CHECK(ordinary->state == OpState::kWaiting && p.b.links.sent.empty());
+  auto capturedRecv = p.b.post(OpKind::kRecv, 0, 3, ChannelKind::kCaptured);
+  CHECK(capturedRecv->state == OpState::kMoving);
+  auto ordinarySend = p.a.post(OpKind::kSend, 1, 3, ChannelKind::kUcx);
+  CHECK(captured->seq == 0 && ordinarySend->seq == 0);
+  deliver(p.a, p.b);
+  CHECK(ordinary->state == OpState::kMoving);
+  std::vector<std::pair<uint64_t, uint64_t>> pairs;  // (send, recv) of each clear-to-send
+  for (const FakeLinks::Sent& cleared : p.b.links.sent) {
+    if (const ClearToSend* cts = as<ClearToSend>(cleared)) {
+      pairs.emplace_back(cts->sendId, cts->recvId);
+    }
+  }
+  CHECK((pairs == std::vector<std::pair<uint64_t, uint64_t>>{{captured->id, capturedRecv->id},
+                                                             {ordinarySend->id, ordinary->id}}));
 }
