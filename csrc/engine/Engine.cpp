@@ -91,7 +91,7 @@ Engine::Engine(Private)
       PeerTable::Silence{config_.peerCheck, ucxCutLinkUnnoticed(config_.linkTimeout)},
       [this](Peer& peer, const std::string& why) { onPeerFailure(peer, why); });
   opControl_ = std::make_unique<OpControl>(*channels_, *peers_, failures_, thread_);
-  loop_ = std::make_unique<ProgressLoop>(spin_, *worker_, *control_, *channels_, *peers_,
+  loop_ = std::make_unique<ProgressLoop>(spin_, *control_, *channels_, *peers_,
                                          *opControl_, *cudaOps_, thread_);
   log(LogLevel::kInfo, "engine started on host ", local_.hostname);
 }

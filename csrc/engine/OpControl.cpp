@@ -67,8 +67,8 @@ constexpr size_t kMaxOrphans = 1 << 16;
 
 }  // namespace
 
-OpControl::OpControl(Channels& channels, PeerTable& peers, Failures& failures,
-                       const ProgressThread& thread)
+OpControl::OpControl(Channels& channels, PeerLinks& peers, Failures& failures,
+                     const ProgressThread& thread)
     : channels_(channels), peers_(peers), failures_(failures), thread_(thread) {}
 
 void OpControl::shutDown() {

@@ -13,7 +13,8 @@
 #include "engine/Failures.h"
 #include "engine/GroupState.h"
 #include "engine/Op.h"
-#include "engine/PeerTable.h"
+#include "engine/Peer.h"
+#include "engine/PeerLinks.h"
 #include "engine/PeerValue.h"
 #include "engine/ProgressThread.h"
 #include "engine/Wire.h"
@@ -28,8 +29,8 @@ namespace smfree::engine {
 // state (OpState) changes in transition() alone. Progress thread only.
 class OpControl {
  public:
-  OpControl(Channels& channels, PeerTable& peers, Failures& failures,
-             const ProgressThread& thread);
+  OpControl(Channels& channels, PeerLinks& peers, Failures& failures,
+            const ProgressThread& thread);
 
   void registerGroup(std::shared_ptr<const GroupConfig> config);
   GroupState* findGroup(uint64_t groupId);
@@ -53,7 +54,7 @@ class OpControl {
   // Fails the ops past their deadline.
   void expireOps(Clock::time_point now);
   // Probes the peers on other hosts that ops wait on, where they have gone silent
-  // (PeerTable::probeIfSilent): an op that times out on one then says whether it answered.
+  // (PeerLinks::probeIfSilent): an op that times out on one then says whether it answered.
   void probeSilentPeers(Clock::time_point now);
   // The group's `rank`, if this process has reached it.
   Peer* peerOf(uint64_t groupId, int rank);
@@ -116,7 +117,7 @@ class OpControl {
   bool referencedByOpenGroup(const Peer& peer) const;
 
   Channels& channels_;
-  PeerTable& peers_;
+  PeerLinks& peers_;
   Failures& failures_;
   const ProgressThread& thread_;
   std::unordered_map<uint64_t, GroupState> groups_;

@@ -7,18 +7,15 @@
 #include "engine/PeerAddress.h"
 #include "engine/PeerRoute.h"
 #include "engine/ProcessWatch.h"
-#include "engine/transports/ucx/UcxEndpoint.h"
 
 namespace smfree::engine {
 
-// A remote process, shared by every group that reaches it.
+// A remote process, shared by every group that reaches it: its identity and liveness. Its
+// control endpoint is the PeerTable's, what its channels keep for it theirs.
 struct Peer {
   PeerAddress address;
   bool sameHost = false;
   std::unique_ptr<ProcessWatch> watch;  // same-host peers: UCX cannot notice their death
-  // To its engine's worker, for control messages (what the channels keep per peer is
-  // theirs); null once a failed same-host peer was closed.
-  std::unique_ptr<UcxEndpoint> endpoint;
   PeerRoute route;  // what its channels' connect() decided
   bool failed = false;
   std::string failure;

@@ -9,6 +9,11 @@
 
 namespace smfree::engine {
 
+// Every Peer this table hands out is one: send() finds the endpoint without a lookup.
+struct PeerTable::Entry : Peer {
+  std::unique_ptr<UcxEndpoint> endpoint;
+};
+
 PeerTable::PeerTable(const PeerAddress& local, UcxWorker& worker, UcxControl& control,
                      Channels& channels, Failures& failures, const ProgressThread& thread,
                      Silence silence, OnFailure onFailure)
@@ -21,21 +26,23 @@ PeerTable::PeerTable(const PeerAddress& local, UcxWorker& worker, UcxControl& co
       silence_(std::move(silence)),
       onFailure_(std::move(onFailure)) {}
 
+PeerTable::~PeerTable() = default;
+
 PeerTable::Attached PeerTable::attach(const PeerAddress& address) {
   thread_.check("PeerTable::attach");
   if (Peer* existing = find(address.processKey)) {
     return {existing, std::nullopt};
   }
   std::optional<std::string> unreachable;
-  std::unique_ptr<Peer> added = makePeer(address, unreachable);
+  std::unique_ptr<Entry> added = makePeer(address, unreachable);
   Peer* peer = added.get();
   peers_.emplace(address.processKey, std::move(added));
   return {peer, unreachable};
 }
 
-std::unique_ptr<Peer> PeerTable::makePeer(const PeerAddress& address,
-                                          std::optional<std::string>& unreachable) {
-  auto peer = std::make_unique<Peer>();
+std::unique_ptr<PeerTable::Entry> PeerTable::makePeer(const PeerAddress& address,
+                                                      std::optional<std::string>& unreachable) {
+  auto peer = std::make_unique<Entry>();
   peer->address = address;
   peer->sameHost = address.hostKey == local_.hostKey;
   peer->lastHeard = Clock::now();  // its address came through the store just now
@@ -158,7 +165,8 @@ void PeerTable::send(Peer& peer, const ControlMessage& message) {
     return;
   }
   const std::string key = peer.address.processKey;
-  control_.send(*peer.endpoint, encode(message), [this, key](ucs_status_t status) {
+  UcxEndpoint& endpoint = *static_cast<Entry&>(peer).endpoint;
+  control_.send(endpoint, encode(message), [this, key](ucs_status_t status) {
     report(key, concat("a control message failed: ", ucxStatusText(status)));
   });
 }

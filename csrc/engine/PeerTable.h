@@ -13,6 +13,7 @@
 #include "engine/Channels.h"
 #include "engine/Failures.h"
 #include "engine/Peer.h"
+#include "engine/PeerLinks.h"
 #include "engine/ProgressThread.h"
 #include "engine/Wire.h"
 
@@ -25,7 +26,7 @@ class UcxWorker;
 // endpoints and their liveness: a same-host peer's process is watched, a remote one's failure
 // reported by UCX, and a remote one that ops wait on probed when it goes silent. Progress
 // thread only.
-class PeerTable {
+class PeerTable final : public PeerLinks {
  public:
   // Called once per failed peer, with why it failed, after it is marked failed.
   using OnFailure = std::function<void(Peer&, const std::string& why)>;
@@ -40,6 +41,7 @@ class PeerTable {
   PeerTable(const PeerAddress& local, UcxWorker& worker, UcxControl& control, Channels& channels,
             Failures& failures, const ProgressThread& thread, Silence silence,
             OnFailure onFailure);
+  ~PeerTable() override;
 
   struct Attached {
     Peer* peer;
@@ -57,28 +59,20 @@ class PeerTable {
   // UCX's frames, where failing the peer's ops (their requests cancelled, their Works
   // completed) cannot break UCX's state.
   void report(const std::string& processKey, const std::string& why);
-  // Fails the peers reported since the last call; whether there were any.
-  bool applyReported();
   // A control message came from the peer.
   void heard(Peer& peer) {
     peer.lastHeard = Clock::now();
     peer.heardFrom = true;
   }
-  // Probes the peer if it is on another host and nothing has come from it for a probe
-  // interval (nor was it probed within one); for peers that ops wait on.
-  void probeIfSilent(Peer& peer, Clock::time_point now);
-  // What an op that timed out waiting on the peer should say, where the peer is on another
-  // host, has reached this process before (a peer that never did, never having connected to
-  // it, cannot answer probes), and nothing has come from it (no message, no answer to probes)
-  // for two probe intervals or more: how long, and why UCX did not end the connection sooner.
-  std::optional<std::string> silence(const Peer& peer, Clock::time_point now) const;
-  // Fails same-host peers whose process exited; drops what reached failed ones, outside any
-  // UCX callback.
-  void check();
-  // Same-host peers' pidfds, which turn readable when their process exits.
-  void appendWatchFds(std::vector<pollfd>& events) const;
-  // Dropped while the peer has failed.
-  void send(Peer& peer, const ControlMessage& message);
+
+  // PeerLinks
+  void send(Peer& peer, const ControlMessage& message) override;
+  void probeIfSilent(Peer& peer, Clock::time_point now) override;
+  std::optional<std::string> silence(const Peer& peer, Clock::time_point now) const override;
+  bool applyReported() override;
+  void check() override;
+  void appendWatchFds(std::vector<pollfd>& events) const override;
+
   // Engine shutdown, the progress thread gone: waits, all endpoints at once and up to
   // `deadline`, until the peers on other hosts have taken what was sent on the control
   // endpoints. Callbacks that run meanwhile find every peer in place.
@@ -87,8 +81,12 @@ class PeerTable {
   void clear();
 
  private:
-  std::unique_ptr<Peer> makePeer(const PeerAddress& address,
-                                 std::optional<std::string>& unreachable);
+  // A peer with its control endpoint, to its engine's worker (what the channels keep per
+  // peer is theirs); the endpoint is null once a failed same-host peer was closed.
+  struct Entry;
+
+  std::unique_ptr<Entry> makePeer(const PeerAddress& address,
+                                  std::optional<std::string>& unreachable);
 
   const PeerAddress& local_;
   UcxWorker& worker_;
@@ -98,7 +96,7 @@ class PeerTable {
   const ProgressThread& thread_;
   const Silence silence_;
   OnFailure onFailure_;
-  std::unordered_map<std::string, std::unique_ptr<Peer>> peers_;  // by process key
+  std::unordered_map<std::string, std::unique_ptr<Entry>> peers_;  // by process key
   // By report(), from callbacks of the engine's worker: one thread at a time progresses it.
   std::vector<std::pair<std::string, std::string>> reported_;  // process key, why
 };

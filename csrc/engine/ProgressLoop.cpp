@@ -3,12 +3,9 @@
 #include <sys/prctl.h>
 
 #include "engine/Log.h"
-#include "engine/PeerTable.h"
 #include "engine/OpControl.h"
 #include "engine/cuda/Capture.h"
 #include "engine/cuda/CudaDriver.h"
-#include "engine/transports/ucx/UcxControl.h"
-#include "engine/transports/ucx/UcxWorker.h"
 
 namespace smfree::engine {
 namespace {
@@ -28,11 +25,10 @@ constexpr timespec kMemoryWatchNap{0, 20'000};
 
 }  // namespace
 
-ProgressLoop::ProgressLoop(const Spin& spin, UcxWorker& worker, UcxControl& control,
-                           Channels& channels, PeerTable& peers, OpControl& opControl,
-                           CudaOps& cudaOps, ProgressThread& thread)
+ProgressLoop::ProgressLoop(const Spin& spin, ControlTransport& control, Channels& channels,
+                           PeerLinks& peers, OpControl& opControl, CudaOps& cudaOps,
+                           ProgressThread& thread)
     : spin_(spin),
-      worker_(worker),
       control_(control),
       channels_(channels),
       peers_(peers),
@@ -51,7 +47,7 @@ void ProgressLoop::stop() {
     }
     stopping_ = true;
   }
-  worker_.signal();
+  control_.signal();
   if (progress_.joinable()) {
     progress_.join();
   }
@@ -69,7 +65,7 @@ void ProgressLoop::submit(std::function<void()> command) {
     wake = sleeping_;
   }
   if (wake) {
-    worker_.signal();
+    control_.signal();
   }
 }
 
@@ -104,7 +100,7 @@ bool ProgressLoop::turn(Clocks& clocks, cuda::CurrentContext& channelContext) {
     active = progress.active || active;
     if (progress.contextDevice >= 0) channelContext.use(progress.contextDevice);
   });
-  for (int calls = 0; calls < kMostWorkerProgressPerTurn && worker_.progress() != 0; ++calls) {
+  for (int calls = 0; calls < kMostWorkerProgressPerTurn && control_.progress() != 0; ++calls) {
     active = true;
   }
   // What UCX's callbacks held inside that progress, handled outside it: the control messages
@@ -131,7 +127,7 @@ bool ProgressLoop::turn(Clocks& clocks, cuda::CurrentContext& channelContext) {
   // sends, collective lanes' pieces) keep no thread awake for themselves.
   if (opControl_.opsAwaitingProgress() > 0) clocks.awaited = now;
   const bool polling = now - clocks.activity < spin_.get() && now - clocks.awaited < spin_.get();
-  if (polling || !worker_.arm()) {
+  if (polling || !control_.arm()) {
     return true;
   }
   {
@@ -178,7 +174,7 @@ void ProgressLoop::sleep() {
   // fires its pidfd. Flags in memory fire nothing, so while copies are in flight the wait
   // is short.
   std::vector<pollfd>& events = sleepEvents_;  // reused: this runs every 20 µs while busy
-  events.assign(1, pollfd{worker_.eventFd(), POLLIN, 0});
+  events.assign(1, pollfd{control_.eventFd(), POLLIN, 0});
   peers_.appendWatchFds(events);
   const timespec& timeout = channels_.busy() ? kMemoryWatchNap : kIdleSleep;
   if (ppoll(events.data(), events.size(), &timeout, nullptr) > 0 && events.size() > 1) {

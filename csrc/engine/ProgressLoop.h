@@ -11,27 +11,25 @@
 #include <vector>
 
 #include "engine/Channels.h"
+#include "engine/ControlTransport.h"
 #include "engine/CudaOps.h"
 #include "engine/Error.h"
+#include "engine/PeerLinks.h"
 #include "engine/ProgressThread.h"
 #include "engine/Spin.h"
 #include "engine/cuda/CudaDriver.h"
 
 namespace smfree::engine {
 
-class PeerTable;
 class OpControl;
-class UcxControl;
-class UcxWorker;
 
 // The progress thread: runs the commands other threads submit, drives the channels and the
-// engine's UCX worker, scans for expired ops and dead peers, and sleeps on the worker's event
-// fd (and same-host peers' pidfds) when idle.
+// control transport (the engine's UCX worker), scans for expired ops and dead peers, and
+// sleeps on the transport's event fd (and same-host peers' pidfds) when idle.
 class ProgressLoop {
  public:
-  ProgressLoop(const Spin& spin, UcxWorker& worker, UcxControl& control, Channels& channels,
-               PeerTable& peers, OpControl& opControl, CudaOps& cudaOps,
-               ProgressThread& thread);
+  ProgressLoop(const Spin& spin, ControlTransport& control, Channels& channels, PeerLinks& peers,
+               OpControl& opControl, CudaOps& cudaOps, ProgressThread& thread);
   ~ProgressLoop() { stop(); }
   ProgressLoop(const ProgressLoop&) = delete;
   ProgressLoop& operator=(const ProgressLoop&) = delete;
@@ -65,10 +63,9 @@ class ProgressLoop {
   void sleep();
 
   const Spin& spin_;
-  UcxWorker& worker_;
-  UcxControl& control_;
+  ControlTransport& control_;
   Channels& channels_;
-  PeerTable& peers_;
+  PeerLinks& peers_;
   OpControl& opControl_;
   CudaOps& cudaOps_;
   ProgressThread& thread_;

@@ -33,7 +33,6 @@
 
 using namespace smfree::engine;
 using testing::FakeCuda;
-using testing::OwnPidfd;
 using testing::TestCopyEngineOp;
 using testing::throwsError;
 
@@ -83,11 +82,10 @@ struct Side {
 // Two sides, each the other's peer.
 struct Pair {
   FakeCuda fake;
-  OwnPidfd self;
   Side sender{"sending process"};
   Side receiver{"receiving process"};
-  Peer senderPeer{sender.key, self.fd};  // the receiver's peer
-  Peer receiverPeer{receiver.key, self.fd};
+  Peer senderPeer = testing::ownPeer(sender.key);  // the receiver's peer
+  Peer receiverPeer = testing::ownPeer(receiver.key);
 
   Side& other(const Side& side) { return &side == &sender ? receiver : sender; }
   Peer& peerOf(const Side& side) { return &side == &sender ? receiverPeer : senderPeer; }

@@ -1,6 +1,6 @@
 // The copy-engine protocols driven in-process on the fake CUDA driver (fake_cuda.h): this
-// process is both sender and receiver, its peer itself (a Peer of the tests' own, reached
-// through a pidfd of this process). Each test walks a transfer through its protocol's states
+// process is both sender and receiver, its peer itself (a Peer watched through a pidfd of
+// this process). Each test walks a transfer through its protocol's states
 // and checks the bytes, the words and how each op ended.
 
 #include <cstring>
@@ -12,6 +12,7 @@
 
 #include "engine/CudaOps.h"
 #include "engine/GroupState.h"
+#include "engine/Peer.h"
 #include "engine/ProgressThread.h"
 #include "engine/channels/copy_engine/ChannelData.h"
 #include "engine/channels/copy_engine/CopyEngineContext.h"
@@ -32,9 +33,10 @@
 
 namespace smfree::engine {
 
-const std::string& processKeyOf(const Peer& peer) { return peer.key; }
-int pidfdOf(const Peer& peer) { return peer.pidfd; }
-std::string describePeer(const Peer& peer) { return "peer " + peer.key; }
+// As CopyEngineChannel.cpp defines them, which these tests do not build.
+const std::string& processKeyOf(const Peer& peer) { return peer.address.processKey; }
+int pidfdOf(const Peer& peer) { return peer.watch ? peer.watch->fd() : -1; }
+std::string describePeer(const Peer& peer) { return "peer " + peer.address.processKey; }
 
 }  // namespace smfree::engine
 
@@ -60,7 +62,7 @@ struct Node {
       },
       [this](Peer&, std::string data) { notices.push_back(std::move(data)); }};
   OwnPidfd self;
-  Peer peer{"this process", self.fd};
+  Peer peer = testing::ownPeer("this process");
   cuda::RemoteFlagSegment theirs{self.fd, context.flags().ref(), "this process"};
   cuda::Stream user{0, cuda::Stream::OnDestroy::kRelease};  // the callers' stream
   DirectProtocol direct{context};
@@ -270,7 +272,7 @@ TEST(stagedHeldPeerFails, "copy engine in-process: a send held for a slot fails 
   CHECK(status && status->code == StatusCode::kPeerFailure && status->message == "peer gone");
   CHECK(ops[4]->op->outstanding == 0);
   CHECK(!node.endOf(*ops[0]->op) && !node.endOf(*ops[2]->op));  // queued: they run on
-  node.staged.dropPeer(node.peer.key);
+  node.staged.dropPeer(processKeyOf(node.peer));
   CHECK(node.staged.ringData(node.peer, *ops[1]->op) != ring);  // a new ring for a new peer
   node.fake.run();
   CHECK(node.staged.progress());
@@ -352,7 +354,7 @@ void openLane(Node& node, Posted& recv, Posted& send) {
 // The caller's post of an eager send (CopyEngineChannel::prepare), then its announcement.
 std::string postEager(Node& node, Posted& send) {
   CopyEngineOp& state = copyEngineOp(*send.op);
-  const LaneKey lane = CopyEngineContext::laneOf(*send.op, node.peer.key);
+  const LaneKey lane = CopyEngineContext::laneOf(*send.op, processKeyOf(node.peer));
   state.eager = node.eager.lanes().push(*send.op, lane, *state.produced, *state.copied);
   CHECK(state.eager.has_value());
   node.eager.prepareSend(send.op, node.peer);
@@ -449,7 +451,7 @@ TEST(eagerHeldRecvs,
   Posted ends(node, OpKind::kRecv, 64, 3);
   openLane(node, waits, send);
   const std::shared_ptr<StagingRing> ring =
-      node.eager.lanes().ring(CopyEngineContext::laneOf(*waits.op, node.peer.key));
+      node.eager.lanes().ring(CopyEngineContext::laneOf(*waits.op, processKeyOf(node.peer)));
   const StagedSlot slot{2, 0};
   node.eager.arm(waits.op, node.peer, toBytes(EagerNotice{0, slot.slot, slot.use, 1}));
   node.eager.arm(ends.op, node.peer, toBytes(EagerNotice{0, 3, 0, 1}));
@@ -468,7 +470,7 @@ TEST(eagerHeldRecvs,
   // A slot whose recv did not match is emptied once its held send fills it.
   const StagedSlot other{4, 0};
   node.eager.discard(node.peer, toBytes(EagerNotice{0, other.slot, other.use, 1}),
-                     CopyEngineContext::laneOf(*waits.op, node.peer.key));
+                     CopyEngineContext::laneOf(*waits.op, processKeyOf(node.peer)));
   CHECK(!node.eager.emptyHeldSlots());
   node.flags().set(ring->full(other));
   CHECK(node.eager.emptyHeldSlots());

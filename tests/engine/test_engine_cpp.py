@@ -23,11 +23,13 @@ SOURCES = ["Matcher.cpp", "Wire.cpp", "TensorDesc.cpp", "Op.cpp", "GroupConfig.c
            "channels/copy_engine/CopyEngineContext.cpp",
            "channels/copy_engine/DirectProtocol.cpp", "channels/copy_engine/StagedProtocol.cpp",
            "channels/copy_engine/EagerProtocol.cpp", "channels/copy_engine/CollectiveLanes.cpp",
-           "channels/copy_engine/CollectiveProtocol.cpp", "ProcessWatch.cpp",
+           "channels/copy_engine/CollectiveProtocol.cpp",
            "channels/captured/GraphWait.cpp",
            "channels/captured/CapturedAnnouncement.cpp",
            "channels/captured/PostedRecvs.cpp", "CudaOps.cpp",
-           "channels/loopback/LoopbackPairing.cpp"]
+           "channels/loopback/LoopbackPairing.cpp",
+           "OpControl.cpp", "ProgressLoop.cpp", "ProgressThread.cpp", "Channel.cpp", "Peer.cpp",
+           "ProcessWatch.cpp", "Failures.cpp"]
 
 
 def cuda_include():

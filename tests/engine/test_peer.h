@@ -3,22 +3,17 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <memory>
 #include <string>
+
+#include "engine/Peer.h"
+#include "engine/ProcessWatch.h"
 
 #ifndef SYS_pidfd_open
 #define SYS_pidfd_open 434
 #endif
 
-namespace smfree::engine {
-
-// The copy-engine tests' Peer: a process reached through a pidfd (in these tests, of this very
-// process). CopyEnginePeer.h's functions of it are defined in copy_engine_protocols_tests.cpp.
-struct Peer {
-  std::string key;
-  int pidfd = -1;
-};
-
-namespace testing {
+namespace smfree::engine::testing {
 
 // A pidfd of this process, through which the tests' peers are reached.
 struct OwnPidfd {
@@ -31,5 +26,14 @@ struct OwnPidfd {
   }
 };
 
-}  // namespace testing
-}  // namespace smfree::engine
+// The copy-engine tests' peer: this very process under `key`, watched through a pidfd of its
+// own. CopyEnginePeer.h's functions of it are defined in copy_engine_protocols_tests.cpp.
+inline Peer ownPeer(const std::string& key) {
+  Peer peer;
+  peer.address.processKey = key;
+  peer.sameHost = true;
+  peer.watch = std::make_unique<ProcessWatch>(getpid());
+  return peer;
+}
+
+}  // namespace smfree::engine::testing

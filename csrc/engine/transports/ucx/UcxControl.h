@@ -6,6 +6,7 @@
 #include <functional>
 #include <vector>
 
+#include "engine/ControlTransport.h"
 #include "engine/transports/ucx/UcxEndpoint.h"
 #include "engine/transports/ucx/UcxWorker.h"
 
@@ -16,8 +17,9 @@ namespace smfree::engine {
 // one sends (a clear-to-send starts the data), a send that finds its connection broken closes
 // it there and then, and UCX 1.13's TCP transport asserts that no event it still holds from
 // the same progress call is for a closed connection (it aborted so, handling messages inside
-// its progress, when several peers died at once).
-class UcxControl {
+// its progress, when several peers died at once). It drives the engine's worker, which
+// UcxChannel shares, for the progress loop.
+class UcxControl final : public ControlTransport {
  public:
   using Handler = std::function<void(const void* data, size_t length)>;
   using FailureHandler = std::function<void(ucs_status_t)>;
@@ -29,9 +31,13 @@ class UcxControl {
   // Delivery failure is reported to onFailure on the progress thread, inside UCX's progress or
   // this call.
   void send(UcxEndpoint& endpoint, std::vector<uint8_t> message, FailureHandler onFailure);
-  // Hands the messages that arrived since the last call to the handler, in arrival order;
-  // whether there were any. Outside the worker's progress.
-  bool deliver();
+
+  // ControlTransport
+  unsigned progress() override { return worker_.progress(); }
+  bool deliver() override;
+  bool arm() override { return worker_.arm(); }
+  int eventFd() const override { return worker_.eventFd(); }
+  void signal() override { worker_.signal(); }
 
  private:
   static ucs_status_t onReceive(void* self, const void* header, size_t headerLength, void* data,
