@@ -14,8 +14,13 @@ int64_t millisSince(Clock::time_point then, Clock::time_point now) {
   return std::chrono::duration_cast<std::chrono::milliseconds>(now - then).count();
 }
 
+// What every failure of an op says first: the op, then why.
+Status opFailure(const Op& op, StatusCode code, const std::string& why) {
+  return Status::failure(code, concat(op.describe(), " failed: ", why));
+}
+
 std::string crossHostCuda(const Op& op, const Peer& peer) {
-  return concat(op.describe(), " failed: rank ", op.partner(), " (", peer.describe(),
+  return concat("rank ", op.partner(), " (", peer.describe(),
                 ") is on another host, out of reach of the copy engines "
                 "(SMFREE_CHANNEL=copy_engine); use auto or ucx");
 }
@@ -181,22 +186,18 @@ std::string OpControl::dumpPending(uint64_t groupId) {
 }
 
 std::optional<Status> OpControl::refusalAtStart(const Op& op, const GroupState* group) {
-  if (!group || group->closed) {
-    return Status::failure(StatusCode::kAborted,
-                           concat(op.describe(), " failed: the group is closed"));
-  }
+  if (!group || group->closed) return opFailure(op, StatusCode::kAborted, "the group is closed");
   // A recv from any source waits for whichever peer; an op to the rank itself has none.
   if (op.request.peer == kAnySource || op.channelOp->traits().withinProcess) {
     return std::nullopt;
   }
   const Peer* peer = group->peers[op.request.peer];
   if (!peer || peer->failed) {
-    return Status::failure(StatusCode::kPeerFailure,
-                           concat(op.describe(), " failed: ",
-                                  peer ? peer->failure : "the peer is not connected"));
+    return opFailure(op, StatusCode::kPeerFailure,
+                     peer ? peer->failure : "the peer is not connected");
   }
   if (!channels_.of(op).reaches(*peer)) {
-    return Status::failure(StatusCode::kChannel, crossHostCuda(op, *peer));
+    return opFailure(op, StatusCode::kChannel, crossHostCuda(op, *peer));
   }
   return std::nullopt;
 }
@@ -343,7 +344,7 @@ std::optional<OpControl::MatchRefusal> OpControl::refusalOfMatch(const GroupStat
   const ReadyToSend& rts = match.announcement.rts;
   const bool compatible = rts.desc.compatibleWith(recv.request.desc);
   if (!channels_.of(recv).reaches(sender) && compatible) {
-    return MatchRefusal{Status::failure(StatusCode::kChannel, crossHostCuda(recv, sender)), true};
+    return MatchRefusal{opFailure(recv, StatusCode::kChannel, crossHostCuda(recv, sender)), true};
   }
   if (match.announcement.cancelled) {
     return MatchRefusal{Status::failure(StatusCode::kTimeout,
