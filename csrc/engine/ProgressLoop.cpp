@@ -4,7 +4,6 @@
 
 #include "engine/Log.h"
 #include "engine/OpControl.h"
-#include "engine/cuda/Capture.h"
 #include "engine/cuda/CudaDriver.h"
 
 namespace smfree::engine {
