@@ -52,7 +52,8 @@ void UcxChannel::progressThreadCallsCuda(const Op& op) {
 }
 
 ChannelAnnouncement UcxChannel::announce(const std::shared_ptr<Op>& send, Peer& destination) {
-  ChannelAnnouncement announcement{.promised = promiseSend(*send)};
+  ChannelAnnouncement announcement;
+  announcement.promised = promiseSend(*send);
   prepareSend(send, destination);
   return announcement;
 }
