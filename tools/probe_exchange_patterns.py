@@ -2,7 +2,7 @@
 # reference backend (NCCL for CUDA tensors, Gloo for CPU ones), every rank at once. Launch with
 # torchrun, one rank per GPU (or CPU ranks where there is none), e.g. for stages on different
 # hosts emulated on one:
-#   SMFREE_TRANSPORT=ucx UCX_TLS=tcp,cuda_copy NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 \
+#   SMFREE_CHANNEL=ucx UCX_TLS=tcp,cuda_copy NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 \
 #     torchrun --nproc-per-node=4 tools/probe_exchange_patterns.py --sizes 16 --gemms 0,20
 # pairs: ranks 2i and 2i+1 swap a message; chain: rank r sends to r+1 (activations only);
 # both: every rank swaps a message with each neighbour (steady-state 1F1B with two directions).
