@@ -43,7 +43,7 @@ struct Side {
   std::string key;
   CudaOps cudaOps{16};
   ProgressThread thread;
-  std::vector<std::pair<std::shared_ptr<Op>, Status>> ended;
+  testing::Ends ended;
   size_t notices = 0;
   CopyEngineContext context{cudaOps, thread, 4, 64ull << 20,
                             [this](const std::shared_ptr<Op>& op, const Status& status) {
@@ -63,15 +63,7 @@ struct Side {
 
   cuda::FlagSegment& flags() { return context.flags(); }
   // How the op ended through this side's protocol, once; null if it has not.
-  const Status* endOf(const Op& op) const {
-    const Status* found = nullptr;
-    for (const auto& [ended, status] : ended) {
-      if (ended.get() != &op) continue;
-      CHECK(!found);
-      found = &status;
-    }
-    return found;
-  }
+  const Status* endOf(const Op& op) const { return testing::endOf(ended, op); }
   int64_t stat(const char* name) const {
     std::map<std::string, int64_t> stats;
     collective.lanes().addStats(stats);

@@ -53,7 +53,7 @@ struct Node {
   FakeCuda fake;
   CudaOps cudaOps{16};
   ProgressThread thread;
-  std::vector<std::pair<std::shared_ptr<Op>, Status>> ended;
+  testing::Ends ended;
   std::vector<std::string> notices;
   CopyEngineContext context{
       cudaOps, thread, 4, 64ull << 20,
@@ -71,15 +71,7 @@ struct Node {
 
   cuda::FlagSegment& flags() { return context.flags(); }
   // How the op ended, once; null if it has not.
-  const Status* endOf(const Op& op) const {
-    const Status* found = nullptr;
-    for (const auto& [ended, status] : ended) {
-      if (ended.get() != &op) continue;
-      CHECK(!found);
-      found = &status;
-    }
-    return found;
-  }
+  const Status* endOf(const Op& op) const { return testing::endOf(ended, op); }
 };
 
 // An op as the copy engine posts it, its buffer in (fake) device memory.

@@ -4,8 +4,11 @@
 #include <stdexcept>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "engine/channels/copy_engine/CopyEngineOp.h"
+
+#include "check.h"
 
 namespace smfree::engine::testing {
 
@@ -33,5 +36,19 @@ class TestCopyEngineOp final : public CopyEngineOpHolder {
     throw std::logic_error("a copy-engine channel step called in a protocol test");
   }
 };
+
+// The ends a protocol told (CopyEngineContext's Done), in order.
+using Ends = std::vector<std::pair<std::shared_ptr<Op>, Status>>;
+
+// How `op` ended among `ended`, once; null if it has not.
+inline const Status* endOf(const Ends& ended, const Op& op) {
+  const Status* found = nullptr;
+  for (const auto& [end, status] : ended) {
+    if (end.get() != &op) continue;
+    CHECK(!found);
+    found = &status;
+  }
+  return found;
+}
 
 }  // namespace smfree::engine::testing
